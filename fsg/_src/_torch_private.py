@@ -1,0 +1,51 @@
+"""Every private or experimental torch API fsg uses, in one place.
+
+torch's private names move between releases; fsg supports torch 2.11 (GPU) and 2.13 (CPU).
+Each name here is pinned by ``tests/test_torch_private.py``, so an upgrade that moves one
+fails one test, not the whole library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "DATA_DEPENDENT_ERRORS",
+    "HOST_SYNC_OPS",
+    "OpOverload",
+    "TorchDispatchMode",
+    "fake_mode",
+    "trace_fake",
+]
+
+# What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
+# torch versions that do not capture scalar outputs).
+DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
+    DataDependentOutputException,
+    GuardOnDataDependentSymNode,
+)
+
+# Ops that bring a tensor's value to the host; torch 2.13 records ``.item()`` as this node
+# rather than raising.
+HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
+
+
+def trace_fake(fn: Callable[..., Any], *args: torch.Tensor) -> torch.fx.GraphModule:
+    """Traces ``fn(*args)`` to an aten FX graph on fake tensors, recording source lines.
+
+    Real tensors that ``fn`` closes over (a module's own buffers, say) are allowed and become
+    constants of the graph (``_allow_non_fake_inputs``).
+    """
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=True)(*args)
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fake-tensor mode that accepts real constants, for running graphs without data."""
+    return FakeTensorMode(allow_non_fake_inputs=True)

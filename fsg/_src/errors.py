@@ -1,0 +1,43 @@
+"""The exceptions and warnings fsg raises.
+
+Every user mistake gets an ``FsgError`` subclass whose message names the leaf path or graph
+node, states the rule and suggests the fix.
+"""
+
+from __future__ import annotations
+
+
+class FsgError(Exception):
+    """Base class of every error fsg raises for a user mistake."""
+
+
+class NonTensorLeafError(FsgError, TypeError):
+    """A state or batch pytree holds a leaf that is not a ``torch.Tensor``."""
+
+
+class LossNotScalarError(FsgError, ValueError):
+    """``loss_fn`` returned something other than a 0-d floating-point tensor."""
+
+
+class ImpureLossError(FsgError):
+    """``loss_fn`` mutated one of its inputs (a parameter or a batch leaf) in place."""
+
+
+class HostSyncError(FsgError):
+    """``loss_fn`` needs a value on the host while tracing (``.item()``, ``if tensor:``...)."""
+
+
+class StructureMismatchError(FsgError, ValueError):
+    """A state or batch pytree does not have the structure the step was compiled for."""
+
+
+class RecompileError(FsgError):
+    """A compile-cache miss under ``compile_step(..., strict=True)``."""
+
+
+class UnsupportedError(FsgError):
+    """A feature combination this version of fsg does not support yet."""
+
+
+class RecompileWarning(UserWarning):
+    """A compile-cache miss: the step is traced and compiled again for a new signature."""

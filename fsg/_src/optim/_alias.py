@@ -1,0 +1,91 @@
+"""The named optimizers, each a chain of elementary transformations."""
+
+from __future__ import annotations
+
+from fsg._src.optim._base import GradientTransformation, chain
+from fsg._src.optim._schedules import ScalarOrSchedule
+from fsg._src.optim._transforms import (
+    MaskOrFn,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    trace,
+)
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
+) -> GradientTransformation:
+    """Stochastic gradient descent, optionally with (Nesterov) momentum.
+
+    Matches ``torch.optim.SGD(lr, momentum, nesterov=nesterov)`` with ``dampening=0``.
+
+    Example:
+      >>> opt = fsg.optim.sgd(0.1, momentum=0.9, nesterov=True)
+    """
+    if nesterov and not momentum:
+        raise ValueError("sgd: nesterov=True needs a momentum > 0")
+    parts = [trace(decay=momentum, nesterov=nesterov)] if momentum else []
+    return chain(*parts, scale_by_learning_rate(learning_rate))
+
+
+def adam(
+    learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+) -> GradientTransformation:
+    """Adam (Kingma & Ba, 2014).
+
+    Example:
+      >>> opt = fsg.optim.adam(1e-3)
+    """
+    return chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    mask: MaskOrFn = None,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
+
+    Matches ``torch.optim.AdamW`` with the same hyperparameters; the decay is scaled by the
+    learning rate, so ``p <- p - lr * (adam_update + weight_decay * p)``.
+
+    Args:
+      learning_rate: a float or a schedule.
+      b1, b2, eps: Adam's constants.
+      weight_decay: the decoupled decay coefficient.
+      mask: which params to decay (see ``add_decayed_weights``); all when ``None``.
+
+    Example:
+      >>> opt = fsg.optim.adamw(fsg.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
+    """
+    return chain(
+        scale_by_adam(b1=b1, b2=b2, eps=eps),
+        add_decayed_weights(weight_decay, mask=mask),
+        scale_by_learning_rate(learning_rate),
+    )
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 1e-3,
+    mask: MaskOrFn = None,
+) -> GradientTransformation:
+    """Lion (Chen et al., 2023) with decoupled weight decay.
+
+    Example:
+      >>> opt = fsg.optim.lion(1e-4, weight_decay=0.1)
+    """
+    return chain(
+        scale_by_lion(b1=b1, b2=b2),
+        add_decayed_weights(weight_decay, mask=mask),
+        scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,103 @@
+"""The optimizer protocol: a ``GradientTransformation`` is a NamedTuple of two pure functions.
+
+As in optax, ``init(params) -> state`` and ``update(updates, state, params) -> (updates,
+state)``. Every state is a NamedTuple of tensors, so it is a pytree that a compiled step can
+carry and a checkpoint can save; nothing is hidden in Python objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fsg._src import tree
+
+Params = Any
+Updates = Any
+OptState = Any
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``(init, update)`` that turns gradients into updates.
+
+    Attributes:
+      init: ``init(params) -> state``.
+      update: ``update(updates, state, params=None) -> (new_updates, new_state)``.
+
+    Example:
+      >>> opt = fsg.optim.sgd(0.1)
+      >>> params = {"w": torch.ones(3)}
+      >>> state = opt.init(params)
+      >>> updates, state = opt.update({"w": torch.ones(3)}, state, params)
+      >>> fsg.optim.apply_updates(params, updates)["w"]
+      tensor([0.9000, 0.9000, 0.9000])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Composes transformations: each ``update`` feeds the next.
+
+    Args:
+      *transforms: the transformations, applied left to right.
+
+    Returns:
+      A ``GradientTransformation`` whose state is the tuple of the parts' states.
+
+    Example:
+      >>> opt = fsg.optim.chain(fsg.optim.clip_by_global_norm(1.0), fsg.optim.adam(1e-3))
+    """
+
+    def init(params: Params) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates: Updates, state: tuple, params: Params = None) -> tuple[Updates, tuple]:
+        new_states = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Returns ``params + updates`` leaf by leaf, keeping each parameter's dtype.
+
+    Example:
+      >>> fsg.optim.apply_updates({"w": torch.ones(2)}, {"w": torch.ones(2)})["w"]
+      tensor([2., 2.])
+    """
+    return tree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def global_norm(updates: Updates) -> torch.Tensor:
+    """The L2 norm of all leaves of ``updates`` together, as a float32 0-d tensor.
+
+    Example:
+      >>> fsg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+      tensor(5.)
+    """
+    leaves, _ = tree.flatten(updates)
+    if not leaves:
+        return torch.zeros(())
+    squares = [torch.sum(leaf.float() * leaf.float()) for leaf in leaves]
+    return torch.sqrt(torch.stack(squares).sum())
+
+
+def device_of(params: Params) -> torch.device:
+    """The device of the first leaf of ``params`` (CPU for an empty tree)."""
+    leaves, _ = tree.flatten(params)
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def zeros_count(params: Params) -> torch.Tensor:
+    """A fresh int32 update counter on the parameters' device."""
+    return torch.zeros((), dtype=torch.int32, device=device_of(params))

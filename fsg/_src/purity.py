@@ -1,0 +1,144 @@
+"""Checks that ``loss_fn`` is pure, with the user's source line in every error.
+
+A loss may not mutate its inputs, nor need a tensor's value on the host while it is traced:
+the graph is traced once and replayed, so either would silently change its meaning. The
+traced graph shows *that* a rule was broken; ``diagnose`` re-runs the loss alone on fake
+tensors under a dispatch mode that stops at the first offending op, to say *where*.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private, tree
+from fsg._src.errors import FsgError, HostSyncError, ImpureLossError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SYNC_FIX = (
+    "The step is traced once into a static graph and replayed, so a value known only at run "
+    "time cannot steer Python. Use tensor ops instead: torch.where(cond, a, b) for a branch; "
+    "keep scalars as 0-d tensors (return them in the aux dict to log them) rather than "
+    "calling .item(), float() or bool() on them."
+)
+_PURE_FIX = (
+    "loss_fn must be pure: parameters and batch are read-only inside it, and the optimizer "
+    "alone updates the parameters. Use the out-of-place op (x = x * 2, not x.mul_(2)), or "
+    "clone first."
+)
+
+
+def _is_user_file(filename: str) -> bool:
+    return not (filename.startswith(_TORCH_DIR) or filename.startswith(_FSG_DIR) or filename.startswith("<"))
+
+
+def user_frame(frames: list[traceback.FrameSummary]) -> str:
+    """The innermost frame of user code (not torch, not fsg) among ``frames``."""
+    for frame in reversed(frames):
+        if _is_user_file(frame.filename):
+            return f'File "{frame.filename}", line {frame.lineno}: {(frame.line or "").strip()}'
+    return "(source line unknown)"
+
+
+def host_sync_error(where: str, what: str) -> HostSyncError:
+    return HostSyncError(f"loss_fn needs the value of a tensor on the host ({what}) at {where}. {_SYNC_FIX}")
+
+
+def impure_error(path: str, op: str, where: str) -> ImpureLossError:
+    return ImpureLossError(f"loss_fn writes in place to {path} ({op}) at {where}. {_PURE_FIX}")
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+class _Violation(Exception):
+    def __init__(self, error: FsgError):
+        self.error = error
+
+
+class _Watch(_torch_private.TorchDispatchMode):
+    """Stops at the first host read or in-place write to a watched input."""
+
+    def __init__(self, watched: dict[int, str]):
+        super().__init__()
+        self._watched = watched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _torch_private.HOST_SYNC_OPS:
+            where = user_frame(traceback.extract_stack())
+            raise _Violation(host_sync_error(where, ".item(), float(), int() or bool() of a tensor"))
+        schema = func._schema
+        if schema.is_mutable:
+            for arg_schema, arg in zip(schema.arguments, args):
+                written = arg_schema.alias_info is not None and arg_schema.alias_info.is_write
+                if written and isinstance(arg, torch.Tensor) and id(_root(arg)) in self._watched:
+                    path = self._watched[id(_root(arg))]
+                    raise _Violation(impure_error(path, f"aten.{schema.name.split('::')[-1]}", user_frame(traceback.extract_stack())))
+        return func(*args, **kwargs)
+
+
+def diagnose(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any) -> FsgError | None:
+    """Runs ``loss_fn`` on fake copies of its inputs and returns the first purity violation
+    (with its source line), or ``None`` if the loss ran clean."""
+    mode = _torch_private.fake_mode()
+    with mode:
+        fake_params = tree.tree_map(mode.from_tensor, params)
+        fake_batch = tree.tree_map(mode.from_tensor, batch)
+    watched = {}
+    for root, fakes in (("params", fake_params), ("batch", fake_batch)):
+        leaves, _ = tree.flatten(fakes)
+        watched.update({id(leaf): path for leaf, path in zip(leaves, tree.leaf_paths(fakes, root))})
+    try:
+        with mode, _Watch(watched):
+            loss_fn(fake_params, fake_batch, buffers) if buffers else loss_fn(fake_params, fake_batch)
+    except _Violation as violation:
+        return violation.error
+    except _torch_private.DATA_DEPENDENT_ERRORS as exc:
+        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        return host_sync_error(where, "data-dependent Python control flow")
+    except Exception:  # a diagnosis is best effort: the caller raises its own error
+        return None
+    return None
+
+
+def has_host_sync(gm: fx.GraphModule) -> bool:
+    """Whether the graph reads a tensor's value on the host."""
+    return any(n.op == "call_function" and n.target in _torch_private.HOST_SYNC_OPS for n in gm.graph.nodes)
+
+
+def _base_placeholder(node: Any) -> fx.Node | None:
+    """Follows view ops back to the placeholder they view, if any."""
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            return node
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.returns:
+            return None
+        alias = schema.returns[0].alias_info
+        if alias is None or alias.is_write:
+            return None
+        node = node.args[0]
+    return None
+
+
+def mutated_placeholders(gm: fx.GraphModule) -> set[str]:
+    """The names of the graph inputs that some node writes to in place."""
+    found = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg_schema, arg in zip(schema.arguments, node.args):
+            if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
+                base = _base_placeholder(arg)
+                if base is not None:
+                    found.add(base.name)
+    return found

@@ -1,0 +1,65 @@
+"""What ``Step.lower`` returns: the traced step graph, for inspection."""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from fsg._src import _torch_private
+
+
+class Cost(NamedTuple):
+    """A static estimate of one step's work.
+
+    Attributes:
+      flops: floating-point operations of the matrix products and convolutions (forward,
+        backward and update together), as counted by ``torch.utils.flop_counter``.
+      op_counts: how many nodes of each aten op the graph holds, e.g. ``{"aten.mm": 6}``.
+    """
+
+    flops: int
+    op_counts: dict[str, int]
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, _torch_private.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+class Lowered:
+    """The traced step graph for one abstract signature of state and batch.
+
+    The graph's inputs are the flat state leaves then the flat batch leaves; see
+    ``docs/compiling.md`` for what each stage does.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]):
+        self.graph_module = graph_module
+        self._example_inputs = example_inputs
+
+    def as_text(self) -> str:
+        """The graph as readable Python, one aten op per line, with shapes."""
+        return self.graph_module.print_readable(print_output=False)
+
+    def op_counts(self) -> dict[str, int]:
+        """How many nodes of each op the graph holds, e.g. ``{"aten.mm": 6, ...}``."""
+        counts = collections.Counter(
+            _op_name(n) for n in self.graph_module.graph.nodes if n.op == "call_function"
+        )
+        return dict(sorted(counts.items()))
+
+    def cost(self) -> Cost:
+        """FLOPs and op counts of one step, found by running the graph on fake tensors."""
+        mode = _torch_private.fake_mode()
+        with mode:
+            fakes = [mode.from_tensor(t) for t in self._example_inputs]
+        counter = FlopCounterMode(display=False)
+        with mode, counter:
+            self.graph_module(*fakes)
+        return Cost(counter.get_total_flops(), self.op_counts())

@@ -1,0 +1,250 @@
+"""``compile_step`` and the ``Step`` it returns: trace once, compile, replay.
+
+``Step.__call__`` is the hot path: it flattens state and batch with optree (C++), checks the
+batch's abstract signature, and replays the compiled graph. The state's signature is only
+recomputed when its leaves are not the very tensors the previous call returned.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsg._src import backend as backend_lib
+from fsg._src import tree
+from fsg._src import trace as trace_lib
+from fsg._src.errors import RecompileError, RecompileWarning, StructureMismatchError, UnsupportedError
+from fsg._src.optim._base import GradientTransformation, device_of
+from fsg._src.stages import Lowered
+from fsg._src.train_state import TrainState
+
+LossFn = trace_lib.LossFn
+
+
+class _Signature(NamedTuple):
+    """The abstract signature a compiled step is specialized on: the cache key."""
+
+    state_def: optree.PyTreeSpec
+    batch_def: optree.PyTreeSpec
+    state_specs: tuple[tree.LeafSpec, ...]
+    batch_specs: tuple[tree.LeafSpec, ...]
+
+
+class _Compiled(NamedTuple):
+    traced: trace_lib.TracedStep
+    fn: Any
+
+
+def _describe_change(old: _Signature, new: _Signature, state: Any, batch: Any) -> str:
+    """Names the leaves whose abstract value changed between two signatures."""
+    changes = []
+    for root, tree_, old_specs, new_specs in (
+        ("state", state, old.state_specs, new.state_specs),
+        ("batch", batch, old.batch_specs, new.batch_specs),
+    ):
+        for path, a, b in zip(tree.leaf_paths(tree_, root), old_specs, new_specs):
+            if a != b:
+                changes.append(f"{path}: {a} -> {b}")
+    return "; ".join(changes) or "tree structure changed"
+
+
+def _structure_error(root: str, expected: optree.PyTreeSpec, got: Any) -> StructureMismatchError:
+    want = tree.leaf_paths(tree.unflatten(expected, [0] * expected.num_leaves), root)
+    have = tree.leaf_paths(got, root)
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    detail = f"missing {missing}, unexpected {extra}" if missing or extra else f"{expected} vs {tree.flatten(got)[1]}"
+    return StructureMismatchError(
+        f"{root} does not have the structure the step was compiled for: {detail}. Every call must "
+        f"pass a {root} with the same keys and nesting; shapes and dtypes may change (that "
+        f"recompiles), structure may not. Build a new step with compile_step for another structure."
+    )
+
+
+class Step:
+    """A compiled train step: ``state, metrics = step(state, batch)``.
+
+    Made by ``fsg.compile_step``; see there for the arguments.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: GradientTransformation,
+        *,
+        backend: str,
+        donate: bool,
+        strict: bool,
+    ):
+        backend_lib.check_backend(backend)
+        self._loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._backend = backend
+        self._donate = donate
+        self._strict = strict
+        self._cache: dict[_Signature, _Compiled] = {}
+        self._structure: tuple[optree.PyTreeSpec, optree.PyTreeSpec] | None = None
+        self._last_signature: _Signature | None = None
+        self._last_state_leaves: list[torch.Tensor] = []
+        self._last_state_specs: tuple[tree.LeafSpec, ...] = ()
+
+    @property
+    def num_compiles(self) -> int:
+        """How many times the step has been traced and compiled (one per signature seen)."""
+        return len(self._cache)
+
+    def init(self, params: Any, *, seed: int = 0, buffers: Any = None) -> TrainState:
+        """Builds the initial ``TrainState`` for ``params``.
+
+        The params are copied (the step updates its state in place when ``donate=True``, and
+        must not write through to the module they came from).
+
+        Args:
+          params: the parameter pytree, e.g. ``fsg.params(model)``.
+          seed: seeds the state's ``rng`` key.
+          buffers: optional buffers (``fsg.buffers(model)``); when given and non-empty,
+            ``loss_fn`` is called as ``loss_fn(params, batch, buffers)``.
+
+        Returns:
+          ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers)``.
+        """
+        tree.check_tensor_leaves(params, "params")
+        params = tree.tree_map(lambda p: p.detach().clone(), params)
+        buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
+        tree.check_tensor_leaves(buffers, "buffers")
+        device = device_of(params)
+        return TrainState(
+            step=torch.zeros((), dtype=torch.int64, device=device),
+            params=params,
+            opt_state=self._optimizer.init(params),
+            rng=torch.tensor([seed, 0], dtype=torch.int64, device=device),
+            buffers=buffers,
+        )
+
+    def _signature(self, state: Any, batch: Any) -> tuple[_Signature, list, list]:
+        state_leaves, state_def = tree.flatten(state)
+        batch_leaves, batch_def = tree.flatten(batch)
+        if self._structure is not None:
+            if state_def != self._structure[0]:
+                raise _structure_error("state", self._structure[0], state)
+            if batch_def != self._structure[1]:
+                raise _structure_error("batch", self._structure[1], batch)
+        if len(state_leaves) == len(self._last_state_leaves) and all(
+            map(operator.is_, state_leaves, self._last_state_leaves)
+        ):
+            state_specs = self._last_state_specs
+        else:
+            tree.check_tensor_leaves(state, "state")
+            state_specs = tree.leaf_specs(state_leaves)
+        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves):
+            tree.check_tensor_leaves(batch, "batch")
+        signature = _Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
+        return signature, state_leaves, batch_leaves
+
+    def _trace(self, state: Any, batch: Any) -> trace_lib.TracedStep:
+        return trace_lib.trace(self._loss_fn, self._optimizer, state, batch, donate=self._donate)
+
+    def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:
+        if self._last_signature is not None:
+            change = _describe_change(self._last_signature, signature, state, batch)
+            message = (
+                f"fsg: the step's abstract signature changed ({change}); tracing and compiling "
+                f"it again (compile #{self.num_compiles + 1}). Keep shapes fixed (pad the last "
+                f"batch, or drop it) to avoid recompiles."
+            )
+            if self._strict:
+                raise RecompileError(message.replace("tracing and compiling it again", "strict=True forbids a recompile"))
+            warnings.warn(message, RecompileWarning, stacklevel=3)
+        traced = self._trace(state, batch)
+        compiled = _Compiled(traced, backend_lib.compile_graph(traced.graph_module, self._backend))
+        self._cache[signature] = compiled
+        self._structure = (signature.state_def, signature.batch_def)
+        return compiled
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        """Runs one train step.
+
+        Args:
+          state: the current ``TrainState``. With ``donate=True`` it is updated in place and
+            returned; do not keep references to its old values.
+          batch: a pytree of tensors with the same structure at every call.
+
+        Returns:
+          ``(new_state, metrics)``; metrics are 0-d tensors on the state's device (no host
+          sync): ``loss``, ``grad_norm``, ``lr`` and the aux outputs of ``loss_fn``.
+        """
+        signature, state_leaves, batch_leaves = self._signature(state, batch)
+        compiled = self._cache.get(signature)
+        if compiled is None:
+            compiled = self._compile(signature, state, batch)
+        self._last_signature = signature
+        with torch.no_grad():
+            outputs = compiled.fn(*state_leaves, *batch_leaves)
+        names = compiled.traced.metric_names
+        metrics = dict(zip(names, outputs[len(outputs) - len(names) :]))
+        if self._donate:
+            new_state, new_leaves = state, state_leaves
+        else:
+            new_leaves = list(outputs[: compiled.traced.num_state_leaves])
+            new_state = tree.unflatten(signature.state_def, new_leaves)
+        self._last_state_leaves = new_leaves
+        self._last_state_specs = signature.state_specs
+        return new_state, metrics
+
+    def lower(self, state: TrainState, batch: Any) -> Lowered:
+        """The traced step graph for this state and batch, for inspection (nothing runs)."""
+        signature, state_leaves, batch_leaves = self._signature(state, batch)
+        compiled = self._cache.get(signature)
+        traced = compiled.traced if compiled is not None else self._trace(state, batch)
+        return Lowered(traced.graph_module, [*state_leaves, *batch_leaves])
+
+
+def compile_step(
+    loss_fn: LossFn,
+    mesh: Any = None,
+    *,
+    optimizer: GradientTransformation,
+    backend: str = "inductor",
+    donate: bool = True,
+    strict: bool = False,
+) -> Step:
+    """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
+
+    Tracing happens at the first call, on the abstract values (shapes, dtypes) of the state
+    and batch; later calls with the same signature replay the compiled graph. A new signature
+    traces and compiles again, with a ``RecompileWarning`` naming the leaf that changed.
+
+    Args:
+      loss_fn: a pure ``loss_fn(params, batch)`` returning a 0-d loss tensor or
+        ``(loss, aux)`` with ``aux`` a dict of tensors (reported as metrics). It may not
+        mutate its inputs nor read tensor values on the host (``.item()``, ``if x > 0``).
+      mesh: the device mesh; ``None`` (one device) is the only value this version supports.
+      optimizer: a ``fsg.optim.GradientTransformation``.
+      backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
+      donate: update the state in place (no second copy of params and optimizer state);
+        the state passed in is returned, updated.
+      strict: raise ``RecompileError`` instead of recompiling when the signature changes.
+
+    Returns:
+      A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
+
+    Example:
+      >>> model = torch.nn.Linear(4, 1)
+      >>> def loss_fn(params, batch):
+      ...     return ((fsg.apply(model, params, batch["x"]) - batch["y"]) ** 2).mean()
+      >>> step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-2), backend="aot_eager")
+      >>> state = step.init(fsg.params(model))
+      >>> state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 1)})
+      >>> sorted(metrics)
+      ['grad_norm', 'loss', 'lr']
+    """
+    if mesh is not None:
+        raise UnsupportedError(
+            f"compile_step got mesh={mesh!r}, but this version of fsg compiles for one device "
+            f"only; pass mesh=None (sharding over a mesh is tracked in the sharding issue)."
+        )
+    return Step(loss_fn, optimizer, backend=backend, donate=donate, strict=strict)

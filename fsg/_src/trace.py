@@ -1,0 +1,142 @@
+"""Stage 1: trace the whole train step into one aten FX graph.
+
+``grad_and_value(loss_fn)``, the optimizer update and the step counter are traced together by
+``make_fx`` on fake tensors, so the graph holds forward, backward and update ops and nothing
+runs on real data while tracing. Inputs are the flat state leaves then the flat batch leaves.
+With donation the graph writes each new state leaf into the old one with ``copy_`` and
+returns only the metrics; without, it returns the new state leaves, then the metrics.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private, purity, tree
+from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
+from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
+from fsg._src.optim._transforms import learning_rate
+from fsg._src.train_state import TrainState
+
+LossFn = Callable[..., Any]
+
+
+class TracedStep(NamedTuple):
+    """The output of stage 1: the global step graph and how to read its outputs."""
+
+    graph_module: fx.GraphModule
+    num_state_leaves: int
+    metric_names: tuple[str, ...]
+    donate: bool
+
+
+def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[torch.Tensor, dict]:
+    out = loss_fn(params, batch, buffers) if buffers else loss_fn(params, batch)
+    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        what = (
+            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else f"a {type(loss).__name__}"
+        )
+        raise LossNotScalarError(
+            f"loss_fn must return a 0-d floating-point tensor, or (loss, aux) with aux a dict of "
+            f"tensors; it returned {what}. Reduce the loss with .mean() or .sum()."
+        )
+    if not isinstance(aux, dict) or not all(isinstance(v, torch.Tensor) for v in aux.values()):
+        raise LossNotScalarError(
+            f"the aux output of loss_fn must be a dict of tensors (it becomes the step's metrics); "
+            f"got {type(aux).__name__}. Return (loss, {{'name': tensor, ...}})."
+        )
+    return loss, aux
+
+
+def train_step(
+    loss_fn: LossFn, optimizer: GradientTransformation, state: TrainState, batch: Any
+) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """One train step as a pure function of tensors: what stage 1 traces.
+
+    Returns the new state and the metrics (``loss``, ``grad_norm``, ``lr`` when the optimizer
+    has a learning rate, and the aux outputs of ``loss_fn``).
+    """
+
+    def loss_and_aux(params):
+        return _call_loss(loss_fn, params, batch, state.buffers)
+
+    grads, (loss, aux) = torch.func.grad_and_value(loss_and_aux, has_aux=True)(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = apply_updates(state.params, updates)
+    metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": global_norm(grads)}
+    lr = learning_rate(opt_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    for name, value in aux.items():
+        if name in metrics:
+            raise LossNotScalarError(
+                f"the aux output of loss_fn has the key {name!r}, which names a built-in metric; "
+                f"rename it (built-in metrics: {sorted(metrics)})."
+            )
+        metrics[name] = value.detach()
+    rng = state.rng + torch.tensor([0, 1], dtype=state.rng.dtype, device=state.rng.device)
+    new_state = TrainState(state.step + 1, params, opt_state, rng, state.buffers)
+    return new_state, metrics
+
+
+def trace(
+    loss_fn: LossFn, optimizer: GradientTransformation, state: TrainState, batch: Any, *, donate: bool
+) -> TracedStep:
+    """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``."""
+    state_leaves, state_def = tree.flatten(state)
+    batch_leaves, batch_def = tree.flatten(batch)
+    n_state = len(state_leaves)
+    metric_names: list[str] = []
+
+    def flat_step(*flat):
+        old_leaves = flat[:n_state]
+        new_state, metrics = train_step(
+            loss_fn, optimizer, tree.unflatten(state_def, old_leaves), tree.unflatten(batch_def, flat[n_state:])
+        )
+        new_leaves, new_def = tree.flatten(new_state)
+        if new_def != state_def:
+            raise StructureMismatchError(
+                f"the optimizer changed the structure of the state: {state_def} -> {new_def}. "
+                f"GradientTransformation.update must return a state shaped like its input."
+            )
+        metric_names[:] = sorted(metrics)
+        values = tuple(metrics[name] for name in metric_names)
+        if not donate:
+            return (*new_leaves, *values)
+        for old, new in zip(old_leaves, new_leaves):
+            if new is not old:
+                old.copy_(new)
+        return values
+
+    def violation() -> FsgError | None:
+        return purity.diagnose(loss_fn, state.params, batch, state.buffers)
+
+    try:
+        gm = _torch_private.trace_fake(flat_step, *state_leaves, *batch_leaves)
+    except FsgError:
+        raise
+    except _torch_private.DATA_DEPENDENT_ERRORS as exc:
+        where = purity.user_frame(traceback.extract_tb(exc.__traceback__))
+        raise purity.host_sync_error(where, "data-dependent Python control flow") from exc
+    except RuntimeError as exc:
+        if "in-place" in str(exc) or "inplace" in str(exc):
+            found = violation()
+            if found is not None:
+                raise found from exc
+        raise
+
+    batch_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"][n_state:]
+    if purity.has_host_sync(gm) or purity.mutated_placeholders(gm) & set(batch_inputs):
+        # The graph breaks a rule; re-run the loss alone to find the source line.
+        raise violation() or ImpureLossError(
+            "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
+            "see the step graph (step.lower(state, batch).as_text()) for the op."
+        )
+    return TracedStep(gm, n_state, tuple(metric_names), donate)
+

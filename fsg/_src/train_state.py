@@ -1,0 +1,29 @@
+"""``TrainState``: everything a train step reads and writes, as one pytree of tensors."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class TrainState(NamedTuple):
+    """The state of a training run: a pytree whose leaves are all tensors.
+
+    Attributes:
+      step: 0-d int64 tensor, the number of optimizer updates applied so far.
+      params: the parameter pytree (``{name: tensor}`` from ``fsg.params``).
+      opt_state: the optimizer's state pytree (``optimizer.init(params)``).
+      rng: int64 tensor ``[seed, counter]``; the counter advances by one every step, so the
+        key of step ``t`` is ``(seed, t)``.
+      buffers: non-parameter state (``fsg.buffers``); ``{}`` when the model has none in use.
+
+    Being a NamedTuple, it is a pytree for optree and ``torch.utils._pytree`` alike, and
+    ``state._replace(params=...)`` builds a modified copy.
+    """
+
+    step: torch.Tensor
+    params: Any
+    opt_state: Any
+    rng: torch.Tensor
+    buffers: Any

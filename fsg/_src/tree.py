@@ -1,0 +1,76 @@
+"""Pytree helpers on top of optree: leaf paths, tensor checks and abstract signatures.
+
+A *leaf path* is the Python expression that reaches a leaf from a named root, for example
+``state.params['w']`` or ``batch['x']``; every error and warning about a leaf uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsg._src.errors import NonTensorLeafError
+
+# None is a leaf so that a missing value is reported, not silently dropped from the tree.
+_NONE_IS_LEAF = True
+
+
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` into its leaves and structure."""
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+
+
+def unflatten(treedef: optree.PyTreeSpec, leaves: Any) -> Any:
+    """Rebuilds a tree of structure ``treedef`` from ``leaves``."""
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def leaf_paths(tree: Any, root: str) -> list[str]:
+    """Returns the path of every leaf of ``tree``, in flatten order, from the name ``root``."""
+    accessors, _, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=_NONE_IS_LEAF)
+    return [accessor.codify(root) for accessor in accessors]
+
+
+def tree_map(fn, tree: Any, *rest: Any) -> Any:
+    """Maps ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rest``)."""
+    return optree.tree_map(fn, tree, *rest)
+
+
+def check_tensor_leaves(tree: Any, root: str) -> None:
+    """Raises ``NonTensorLeafError`` naming the first leaf of ``tree`` that is not a tensor."""
+    leaves, _ = flatten(tree)
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return
+    for path, leaf in zip(leaf_paths(tree, root), leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise NonTensorLeafError(
+                f"{path} is a {type(leaf).__name__} ({leaf!r:.60}), but every leaf of {root} must "
+                f"be a torch.Tensor: the step is traced once and replayed, so Python values would "
+                f"be frozen into the graph. Wrap it with torch.tensor(...), or make it static "
+                f"configuration closed over by loss_fn."
+            )
+
+
+class LeafSpec(NamedTuple):
+    """The abstract value of one tensor leaf: what a compiled step is specialized on."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> LeafSpec:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        dims = ",".join(map(str, self.shape))
+        where = "" if self.device.type == "cpu" else f"@{self.device}"
+        return f"{dtype}[{dims}]{where}"
+
+
+def leaf_specs(leaves: list[torch.Tensor]) -> tuple[LeafSpec, ...]:
+    """The abstract signature of a flat list of tensors."""
+    return tuple(LeafSpec.of(leaf) for leaf in leaves)

@@ -1,0 +1,5 @@
+"""Functional layers and losses."""
+
+from fsg._src.losses import cross_entropy as cross_entropy
+
+__all__ = ["cross_entropy"]

@@ -1,0 +1,63 @@
+"""Optax-style optimizers: ``GradientTransformation(init, update)``, transforms and schedules."""
+
+from fsg._src.optim._alias import adam as adam
+from fsg._src.optim._alias import adamw as adamw
+from fsg._src.optim._alias import lion as lion
+from fsg._src.optim._alias import sgd as sgd
+from fsg._src.optim._base import EmptyState as EmptyState
+from fsg._src.optim._base import GradientTransformation as GradientTransformation
+from fsg._src.optim._base import apply_updates as apply_updates
+from fsg._src.optim._base import chain as chain
+from fsg._src.optim._base import global_norm as global_norm
+from fsg._src.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from fsg._src.optim._schedules import Schedule as Schedule
+from fsg._src.optim._schedules import constant as constant
+from fsg._src.optim._schedules import cosine as cosine
+from fsg._src.optim._schedules import linear as linear
+from fsg._src.optim._schedules import piecewise as piecewise
+from fsg._src.optim._schedules import warmup_cosine as warmup_cosine
+from fsg._src.optim._transforms import ScaleByAdamState as ScaleByAdamState
+from fsg._src.optim._transforms import ScaleByLearningRateState as ScaleByLearningRateState
+from fsg._src.optim._transforms import ScaleByLionState as ScaleByLionState
+from fsg._src.optim._transforms import ScaleByScheduleState as ScaleByScheduleState
+from fsg._src.optim._transforms import TraceState as TraceState
+from fsg._src.optim._transforms import add_decayed_weights as add_decayed_weights
+from fsg._src.optim._transforms import learning_rate as learning_rate
+from fsg._src.optim._transforms import scale as scale
+from fsg._src.optim._transforms import scale_by_adam as scale_by_adam
+from fsg._src.optim._transforms import scale_by_learning_rate as scale_by_learning_rate
+from fsg._src.optim._transforms import scale_by_lion as scale_by_lion
+from fsg._src.optim._transforms import scale_by_schedule as scale_by_schedule
+from fsg._src.optim._transforms import trace as trace
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "Schedule",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "ScaleByLionState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine",
+    "global_norm",
+    "learning_rate",
+    "linear",
+    "lion",
+    "piecewise",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_schedule",
+    "sgd",
+    "trace",
+    "warmup_cosine",
+]

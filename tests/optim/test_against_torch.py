@@ -1,0 +1,74 @@
+"""compile_step with fsg.optim matches torch.optim step for step (float32)."""
+
+import pytest
+import torch
+
+import fsg
+from tests.helpers import mlp, mse_loss_fn, regression_batch, rel_err
+
+
+def run_torch(model, make_torch_opt, batches):
+    opt = make_torch_opt(model.parameters())
+    for batch in batches:
+        opt.zero_grad()
+        out = model(batch["x"])
+        ((out - batch["y"]) ** 2).mean().backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def run_fsg(model, fsg_opt, batches, backend="aot_eager"):
+    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg_opt, backend=backend)
+    state = step.init(fsg.params(model))
+    for batch in batches:
+        state, _ = step(state, batch)
+    return state
+
+
+CASES = {
+    "adamw": (
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        lambda: fsg.optim.adamw(1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1),
+    ),
+    "adam": (
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+        lambda: fsg.optim.adam(1e-2),
+    ),
+    "sgd_momentum": (
+        lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9),
+        lambda: fsg.optim.sgd(5e-2, momentum=0.9),
+    ),
+    "sgd_nesterov": (
+        lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, nesterov=True),
+        lambda: fsg.optim.sgd(5e-2, momentum=0.9, nesterov=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_twenty_steps_match_torch_optim(name):
+    make_torch_opt, make_fsg_opt = CASES[name]
+    batches = [regression_batch(seed=i) for i in range(20)]
+    reference = run_torch(mlp(seed=3), make_torch_opt, batches)
+    state = run_fsg(mlp(seed=3), make_fsg_opt(), batches)
+    assert int(state.step) == 20
+    for k, ref in reference.items():
+        assert rel_err(state.params[k], ref) < 1e-5, k
+        assert not torch.equal(ref, mlp(seed=3).state_dict()[k])  # it trained
+
+
+def test_adamw_matches_torch_optim_with_a_schedule():
+    """The learning rate changes every step inside the graph; torch's changes via param_groups."""
+    schedule = fsg.optim.warmup_cosine(1e-2, warmup=5, total=20)
+    batches = [regression_batch(seed=i) for i in range(20)]
+    model = mlp(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(schedule(0)), weight_decay=0.05)
+    for i, batch in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = float(schedule(i))
+        opt.zero_grad()
+        ((model(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        opt.step()
+    state = run_fsg(mlp(seed=4), fsg.optim.adamw(schedule, weight_decay=0.05), batches)
+    for k, p in model.named_parameters():
+        assert rel_err(state.params[k], p.detach()) < 1e-5, k

@@ -1,0 +1,38 @@
+"""Pins the public names: adding or removing one is a deliberate change to this list."""
+
+import fsg
+import fsg.nn
+import fsg.optim
+
+
+def test_fsg_public_names():
+    assert sorted(fsg.__all__) == sorted([
+        "Cost", "FsgError", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError",
+        "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
+        "TrainState", "UnsupportedError", "apply", "buffers", "compile_step", "nn", "optim", "params",
+    ])  # fmt: skip
+    for name in fsg.__all__:
+        assert getattr(fsg, name) is not None
+
+
+def test_optim_public_names():
+    assert sorted(fsg.optim.__all__) == sorted([
+        "EmptyState", "GradientTransformation", "Schedule", "ScaleByAdamState",
+        "ScaleByLearningRateState", "ScaleByLionState", "ScaleByScheduleState", "TraceState",
+        "adam", "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
+        "constant", "cosine", "global_norm", "learning_rate", "linear", "lion", "piecewise",
+        "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion", "scale_by_schedule",
+        "sgd", "trace", "warmup_cosine",
+    ])  # fmt: skip
+    for name in fsg.optim.__all__:
+        assert getattr(fsg.optim, name) is not None
+
+
+def test_nn_public_names():
+    assert fsg.nn.__all__ == ["cross_entropy"]
+
+
+def test_errors_are_fsg_errors():
+    for name in ["HostSyncError", "ImpureLossError", "LossNotScalarError", "NonTensorLeafError",
+                 "RecompileError", "StructureMismatchError", "UnsupportedError"]:  # fmt: skip
+        assert issubclass(getattr(fsg, name), fsg.FsgError)

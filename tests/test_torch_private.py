@@ -1,0 +1,55 @@
+"""Pins each private torch API that fsg uses (all imported in fsg/_src/_torch_private.py)."""
+
+import pytest
+import torch
+
+from fsg._src import _torch_private
+
+
+def test_trace_fake_records_aten_graph_with_real_constants():
+    const = torch.ones(3)
+
+    def fn(x):
+        return (x * const).sum()
+
+    gm = _torch_private.trace_fake(fn, torch.randn(3))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.mul.Tensor in targets
+    assert torch.ops.aten.sum.default in targets
+
+
+def test_data_dependent_control_flow_raises_a_known_error():
+    def fn(x):
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(_torch_private.DATA_DEPENDENT_ERRORS):
+        _torch_private.trace_fake(fn, torch.randn(3))
+
+
+def test_item_is_a_host_sync_op_or_raises():
+    def fn(x):
+        return x * x.sum().item()
+
+    try:
+        gm = _torch_private.trace_fake(fn, torch.randn(3))
+    except _torch_private.DATA_DEPENDENT_ERRORS:
+        return  # older torch: .item() raises while tracing
+    assert any(n.target in _torch_private.HOST_SYNC_OPS for n in gm.graph.nodes)
+
+
+def test_fake_mode_and_dispatch_mode():
+    seen = []
+
+    class Record(_torch_private.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mode = _torch_private.fake_mode()
+    with mode:
+        x = mode.from_tensor(torch.randn(2, 2))
+    with mode, Record():
+        y = x @ x
+    assert y.shape == (2, 2)
+    assert torch.ops.aten.mm.default in seen
+    assert isinstance(torch.ops.aten.mm.default, _torch_private.OpOverload)
