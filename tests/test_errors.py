@@ -73,7 +73,7 @@ def test_data_dependent_control_flow_names_the_line():
     [
         (lambda out: out, r"shape \(16, 4\)"),
         (lambda out: 3.0, "a float"),
-        (lambda out: (out.mean() > 0), "torch.bool"),
+        (lambda out: out.mean() > 0, "torch.bool"),
     ],
 )
 def test_loss_that_is_not_a_scalar(bad, what):
@@ -126,7 +126,9 @@ def test_batch_with_another_structure_names_the_keys():
     step = fsg.compile_step(lambda p, b: forward(p, b).mean(), optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
     state = step.init(fsg.params(model))
     state, _ = step(state, regression_batch())
-    with pytest.raises(fsg.StructureMismatchError, match=r"missing \[\"batch\['y'\]\"\], unexpected \[\"batch\['z'\]\"\]"):
+    with pytest.raises(
+        fsg.StructureMismatchError, match=r"missing \[\"batch\['y'\]\"\], unexpected \[\"batch\['z'\]\"\]"
+    ):
         step(state, {"x": torch.randn(16, 8), "z": torch.randn(16, 4)})
     # The failed call lost nothing: the state still steps.
     state, metrics = step(state, regression_batch())

@@ -119,7 +119,7 @@ def test_donation_updates_state_storages_in_place():
     before = [(t, t.untyped_storage().data_ptr(), t.clone()) for t in leaves]
     new_state, _ = step(state, regression_batch())
     new_leaves = fsg._src.tree.flatten(new_state)[0]
-    for (old, ptr, value), new in zip(before, new_leaves):
+    for (old, ptr, _), new in zip(before, new_leaves):
         assert new is old
         assert new.untyped_storage().data_ptr() == ptr
     assert not torch.equal(before[1][2], new_leaves[1])  # values did change
@@ -188,7 +188,9 @@ def test_buffers_are_passed_to_the_loss():
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
     state = step.init(fsg.params(model), buffers=scale)
     _, metrics = step(state, regression_batch())
-    expected = ((fsg.apply(model, fsg.params(model), regression_batch()["x"]) * 2 - regression_batch()["y"]) ** 2).mean()
+    expected = (
+        (fsg.apply(model, fsg.params(model), regression_batch()["x"]) * 2 - regression_batch()["y"]) ** 2
+    ).mean()
     assert float(metrics["loss"]) == pytest.approx(float(expected), rel=1e-6)
 
 

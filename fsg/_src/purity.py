@@ -81,7 +81,9 @@ class _Watch(_torch_private.TorchDispatchMode):
                 written = arg_schema.alias_info is not None and arg_schema.alias_info.is_write
                 if written and isinstance(arg, torch.Tensor) and id(_root(arg)) in self._watched:
                     path = self._watched[id(_root(arg))]
-                    raise _Violation(impure_error(path, f"aten.{schema.name.split('::')[-1]}", user_frame(traceback.extract_stack())))
+                    raise _Violation(
+                        impure_error(path, f"aten.{schema.name.split('::')[-1]}", user_frame(traceback.extract_stack()))
+                    )
         return func(*args, **kwargs)
 
 

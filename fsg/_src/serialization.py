@@ -35,7 +35,11 @@ def decode_tensor(record: dict[str, Any], *, where: str) -> torch.Tensor:
     if dtype is None:
         raise StructureMismatchError(f"{where}: unknown dtype {record['dtype']!r} (known: {sorted(_DTYPES)})")
     shape = tuple(record["shape"])
-    raw = torch.frombuffer(bytearray(record["data"]), dtype=torch.uint8) if record["data"] else torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.frombuffer(bytearray(record["data"]), dtype=torch.uint8)
+        if record["data"]
+        else torch.empty(0, dtype=torch.uint8)
+    )
     return raw.view(dtype).reshape(shape)
 
 

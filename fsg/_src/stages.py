@@ -49,9 +49,7 @@ class Lowered:
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op the graph holds, e.g. ``{"aten.mm": 6, ...}``."""
-        counts = collections.Counter(
-            _op_name(n) for n in self.graph_module.graph.nodes if n.op == "call_function"
-        )
+        counts = collections.Counter(_op_name(n) for n in self.graph_module.graph.nodes if n.op == "call_function")
         return dict(sorted(counts.items()))
 
     def cost(self) -> Cost:

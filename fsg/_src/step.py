@@ -15,8 +15,8 @@ import optree
 import torch
 
 from fsg._src import backend as backend_lib
-from fsg._src import tree
 from fsg._src import trace as trace_lib
+from fsg._src import tree
 from fsg._src.errors import RecompileError, RecompileWarning, StructureMismatchError, UnsupportedError
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.stages import Lowered
@@ -157,7 +157,9 @@ class Step:
                 f"batch, or drop it) to avoid recompiles."
             )
             if self._strict:
-                raise RecompileError(message.replace("tracing and compiling it again", "strict=True forbids a recompile"))
+                raise RecompileError(
+                    message.replace("tracing and compiling it again", "strict=True forbids a recompile")
+                )
             warnings.warn(message, RecompileWarning, stacklevel=3)
         traced = self._trace(state, batch)
         compiled = _Compiled(traced, backend_lib.compile_graph(traced.graph_module, self._backend))

@@ -139,4 +139,3 @@ def trace(
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
     return TracedStep(gm, n_state, tuple(metric_names), donate)
-

@@ -12,7 +12,9 @@ OPTIMIZERS = {
     "sgd_nesterov": lambda: fsg.optim.sgd(0.05, momentum=0.9, nesterov=True),
     "adam": lambda: fsg.optim.adam(0.05),
     "adamw": lambda: fsg.optim.adamw(0.05, weight_decay=0.01),
-    "adamw_masked": lambda: fsg.optim.adamw(0.05, weight_decay=0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}),
+    "adamw_masked": lambda: fsg.optim.adamw(
+        0.05, weight_decay=0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}
+    ),
     "lion": lambda: fsg.optim.lion(0.03, weight_decay=0.0),
     "clipped_adamw_schedule": lambda: fsg.optim.chain(
         fsg.optim.clip_by_global_norm(1.0),

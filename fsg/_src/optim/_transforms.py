@@ -90,10 +90,7 @@ def trace(*, decay: float, nesterov: bool = False) -> GradientTransformation:
 
     def update(updates, state, params=None):
         new_trace = tree.tree_map(lambda t, g: g + decay * t, state.trace, updates)
-        if nesterov:
-            new_updates = tree.tree_map(lambda t, g: g + decay * t, new_trace, updates)
-        else:
-            new_updates = new_trace
+        new_updates = tree.tree_map(lambda t, g: g + decay * t, new_trace, updates) if nesterov else new_trace
         return new_updates, TraceState(new_trace)
 
     return GradientTransformation(init, update)
@@ -128,9 +125,7 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask: MaskOrFn = None) -> 
         if mask is None:
             return tree.tree_map(lambda u, p: u + weight_decay * p, updates, params), state
         flags = _resolve_mask(mask, params)
-        new_updates = tree.tree_map(
-            lambda u, p, keep: u + weight_decay * p if keep else u, updates, params, flags
-        )
+        new_updates = tree.tree_map(lambda u, p, keep: u + weight_decay * p if keep else u, updates, params, flags)
         return new_updates, state
 
     return GradientTransformation(init, update)
