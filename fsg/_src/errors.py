@@ -41,3 +41,11 @@ class UnsupportedError(FsgError):
 
 class RecompileWarning(UserWarning):
     """A compile-cache miss: the step is traced and compiled again for a new signature."""
+
+
+class MeshError(FsgError, ValueError):
+    """A mesh that does not match the world, or a partition spec that does not fit a tensor."""
+
+
+class ShardingRuleError(FsgError):
+    """An op of the step has no sharding rule for the placements of its inputs."""

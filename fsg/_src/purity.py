@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, tree
+from fsg._src import _torch_private, markers, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -116,10 +116,10 @@ def has_host_sync(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in _torch_private.HOST_SYNC_OPS for n in gm.graph.nodes)
 
 
-def _base_placeholder(node: Any) -> fx.Node | None:
-    """Follows view ops back to the placeholder they view, if any."""
+def _base(node: Any) -> fx.Node | None:
+    """Follows view ops back to the graph input or parameter read they view, if any."""
     while isinstance(node, fx.Node):
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node.target is markers.PARAM_USE:
             return node
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.returns:
@@ -131,16 +131,16 @@ def _base_placeholder(node: Any) -> fx.Node | None:
     return None
 
 
-def mutated_placeholders(gm: fx.GraphModule) -> set[str]:
-    """The names of the graph inputs that some node writes to in place."""
-    found = set()
+def writes_to_inputs(gm: fx.GraphModule, inputs: set[str]) -> bool:
+    """Whether some node writes in place to a parameter as the loss reads it, or to one of
+    the placeholders named in ``inputs``."""
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
             continue
         for arg_schema, arg in zip(schema.arguments, node.args):
             if arg_schema.alias_info is not None and arg_schema.alias_info.is_write:
-                base = _base_placeholder(arg)
-                if base is not None:
-                    found.add(base.name)
-    return found
+                base = _base(arg)
+                if base is not None and (base.op != "placeholder" or base.name in inputs):
+                    return True
+    return False

@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, purity, tree
+from fsg._src import _torch_private, markers, purity, tree
 from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
@@ -63,10 +63,24 @@ def train_step(
     has a learning rate, and the aux outputs of ``loss_fn``).
     """
 
-    def loss_and_aux(params):
-        return _call_loss(loss_fn, params, batch, state.buffers)
-
-    grads, (loss, aux) = torch.func.grad_and_value(loss_and_aux, has_aux=True)(state.params)
+    param_leaves, params_def = tree.flatten(state.params)
+    # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
+    # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
+    inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
+    with torch.enable_grad():
+        # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP).
+        used = [markers.param_use(p, i) if p.requires_grad else p for i, p in enumerate(inputs)]
+        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), batch, state.buffers)
+        differentiable = [p for p in inputs if p.requires_grad]
+        raw = torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ()
+    raw_iter = iter(raw)
+    grad_leaves = []
+    for i, p in enumerate(inputs):
+        g = next(raw_iter) if p.requires_grad else None
+        g = torch.zeros_like(p) if g is None else g
+        # Mark each gradient: stage 2 constrains it to its parameter's placement (rule 2).
+        grad_leaves.append(markers.grad(g, i))
+    grads = tree.unflatten(params_def, grad_leaves)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
     metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": global_norm(grads)}
@@ -86,9 +100,19 @@ def train_step(
 
 
 def trace(
-    loss_fn: LossFn, optimizer: GradientTransformation, state: TrainState, batch: Any, *, donate: bool
+    loss_fn: LossFn,
+    optimizer: GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    *,
+    donate: bool,
+    keep_markers: bool = False,
 ) -> TracedStep:
-    """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``."""
+    """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
+
+    ``keep_markers`` keeps the ``fsg::param_use`` / ``fsg::grad`` marker nodes that stage 2
+    needs; otherwise (one device) they are removed.
+    """
     state_leaves, state_def = tree.flatten(state)
     batch_leaves, batch_def = tree.flatten(batch)
     n_state = len(state_leaves)
@@ -132,10 +156,12 @@ def trace(
         raise
 
     batch_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"][n_state:]
-    if purity.has_host_sync(gm) or purity.mutated_placeholders(gm) & set(batch_inputs):
+    if purity.has_host_sync(gm) or purity.writes_to_inputs(gm, set(batch_inputs)):
         # The graph breaks a rule; re-run the loss alone to find the source line.
         raise violation() or ImpureLossError(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
+    if not keep_markers:
+        markers.strip(gm)
     return TracedStep(gm, n_state, tuple(metric_names), donate)

@@ -1,0 +1,52 @@
+"""Process-group set-up from the ``torchrun`` environment."""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class ProcessInfo(NamedTuple):
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def initialize(*, backend: str | None = None) -> ProcessInfo:
+    """Initializes ``torch.distributed`` from the environment ``torchrun`` sets.
+
+    Picks the device (``cuda:LOCAL_RANK`` when CUDA is available, else CPU) and the backend
+    (NCCL on CUDA, gloo on CPU), and registers a clean shutdown at exit. Without ``torchrun``
+    (no ``WORLD_SIZE`` in the environment) it is a single process and nothing is initialized.
+    Calling it again returns the same information.
+
+    Returns:
+      ``ProcessInfo(rank, world_size, local_rank, device)``.
+
+    Example:
+      >>> info = fsg.distributed.initialize()   # under torchrun --nproc-per-node=2: rank 0 or 1
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), device_id=device if use_cuda else None)
+        atexit.register(shutdown)
+    return ProcessInfo(rank, world_size, local_rank, device)
+
+
+def shutdown() -> None:
+    """Destroys the default process group, if any (registered at exit by ``initialize``)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
