@@ -13,6 +13,7 @@ from typing import Callable, Union
 from fsg._src.mesh import Mesh, P
 
 SpecOrFn = Union[P, Callable[[tuple[int, ...], Mesh], P]]
+REPLICATED = P()
 
 
 class Rules:
@@ -20,7 +21,7 @@ class Rules:
     name (``re.fullmatch``) gives its spec, else ``default``. A spec may also be a function
     ``(shape, mesh) -> P`` for shape-dependent choices (FSDP picks a divisible dim)."""
 
-    def __init__(self, rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = P()):
+    def __init__(self, rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = REPLICATED):
         self._rules = [(re.compile(pattern), spec) for pattern, spec in rules]
         self._default = default
 
@@ -41,7 +42,7 @@ class Rules:
         return combined
 
 
-def rules(rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = P()) -> Rules:
+def rules(rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = REPLICATED) -> Rules:
     """Builds sharding rules from ``(regex, spec)`` pairs (first full match wins).
 
     Example:
