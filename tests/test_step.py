@@ -194,8 +194,8 @@ def test_buffers_are_passed_to_the_loss():
     assert float(metrics["loss"]) == pytest.approx(float(expected), rel=1e-6)
 
 
-def test_mesh_other_than_none_is_refused_clearly():
-    with pytest.raises(fsg.UnsupportedError, match="one device only"):
+def test_mesh_must_be_an_fsg_mesh():
+    with pytest.raises(TypeError, match="mesh must be an fsg.Mesh or None, got str"):
         fsg.compile_step(lambda p, b: p, "dp=2", optimizer=fsg.optim.sgd(0.1))
 
 

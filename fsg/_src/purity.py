@@ -9,6 +9,7 @@ tensors under a dispatch mode that stops at the first offending op, to say *wher
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from typing import Any, Callable
 
@@ -44,6 +45,20 @@ def user_frame(frames: list[traceback.FrameSummary]) -> str:
         if _is_user_file(frame.filename):
             return f'File "{frame.filename}", line {frame.lineno}: {(frame.line or "").strip()}'
     return "(source line unknown)"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
+
+
+def user_frame_of_node(node: fx.Node) -> str:
+    """The innermost line of user code recorded for a graph node (module ``forward`` frames
+    only: that is what ``make_fx`` records)."""
+    frames = [
+        traceback.FrameSummary(f, int(line), fn, line=code.strip())
+        for f, line, fn, code in _FRAME.findall(node.meta.get("stack_trace") or "")
+    ]
+    found = user_frame(frames)
+    return found if frames else f"graph node {node.name}"
 
 
 def host_sync_error(where: str, what: str) -> HostSyncError:

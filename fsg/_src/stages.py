@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsg._src import _torch_private
+from fsg._src import _torch_private, spmd
 
 
 class Cost(NamedTuple):
@@ -33,19 +33,35 @@ def _op_name(node: fx.Node) -> str:
 
 
 class Lowered:
-    """The traced step graph for one abstract signature of state and batch.
+    """The step graph for one abstract signature of state and batch.
 
-    The graph's inputs are the flat state leaves then the flat batch leaves; see
-    ``docs/compiling.md`` for what each stage does.
+    ``graph_module`` is what gets compiled: on one device the global graph of stage 1; on a
+    mesh the per-rank graph of stage 2, with its collectives (``global_graph`` keeps stage
+    1's). Its inputs are the flat state leaves then the flat batch leaves (local pieces on a
+    mesh); see ``docs/compiling.md`` for what each stage does.
     """
 
-    def __init__(self, graph_module: fx.GraphModule, example_inputs: list[torch.Tensor]):
+    def __init__(
+        self,
+        graph_module: fx.GraphModule,
+        example_inputs: list[torch.Tensor],
+        *,
+        global_graph: fx.GraphModule | None = None,
+        mesh: Any = None,
+    ):
         self.graph_module = graph_module
+        self.global_graph = graph_module if global_graph is None else global_graph
         self._example_inputs = example_inputs
+        self._mesh = mesh
 
     def as_text(self) -> str:
         """The graph as readable Python, one aten op per line, with shapes."""
         return self.graph_module.print_readable(print_output=False)
+
+    def collectives(self) -> list:
+        """The step's collectives as rows ``(kind, axis, bytes, count)``, one per kind and
+        mesh axis (empty on one device)."""
+        return spmd.collectives(self.graph_module, self._mesh)
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op the graph holds, e.g. ``{"aten.mm": 6, ...}``."""

@@ -14,11 +14,13 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fsg._src import _torch_private, placement, spmd, tree
 from fsg._src import backend as backend_lib
 from fsg._src import trace as trace_lib
-from fsg._src import tree
-from fsg._src.errors import RecompileError, RecompileWarning, StructureMismatchError, UnsupportedError
+from fsg._src.errors import RecompileError, RecompileWarning, StructureMismatchError
+from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
+from fsg._src.sharding import Rules
 from fsg._src.stages import Lowered
 from fsg._src.train_state import TrainState
 
@@ -35,8 +37,10 @@ class _Signature(NamedTuple):
 
 
 class _Compiled(NamedTuple):
-    traced: trace_lib.TracedStep
-    fn: Any
+    traced: trace_lib.TracedStep  # stage 1: the global graph
+    graph: Any  # the graph that was compiled: stage 1's, or stage 2's local graph on a mesh
+    fn: Any  # stage 4: the compiled callable
+    plan: spmd.ShardPlan | None
 
 
 def _describe_change(old: _Signature, new: _Signature, state: Any, batch: Any) -> str:
@@ -79,8 +83,16 @@ class Step:
         backend: str,
         donate: bool,
         strict: bool,
+        mesh: Mesh | None = None,
+        param_sharding: Rules | None = None,
+        batch_sharding: P | None = None,
     ):
         backend_lib.check_backend(backend)
+        self._mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self._param_sharding = param_sharding
+        if batch_sharding is None:
+            batch_sharding = P("dp") if mesh is not None and "dp" in mesh.axis_names else P()
+        self._batch_sharding = batch_sharding
         self._loss_fn = loss_fn
         self._optimizer = optimizer
         self._backend = backend
@@ -110,20 +122,25 @@ class Step:
             ``loss_fn`` is called as ``loss_fn(params, batch, buffers)``.
 
         Returns:
-          ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers)``.
+          ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers)``. On
+          a mesh every leaf is a ``DTensor`` placed by ``param_sharding`` (optimizer state
+          follows its parameter; scalars are replicated), and each rank holds only its shards.
         """
         tree.check_tensor_leaves(params, "params")
         params = tree.tree_map(lambda p: p.detach().clone(), params)
         buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
         tree.check_tensor_leaves(buffers, "buffers")
+        if self._mesh is not None:
+            params = placement.distribute_params(params, self._mesh, self._param_sharding)
         device = device_of(params)
-        return TrainState(
+        state = TrainState(
             step=torch.zeros((), dtype=torch.int64, device=device),
             params=params,
-            opt_state=self._optimizer.init(params),
+            opt_state=self._optimizer.init(params),  # on DTensor params: states take their placements
             rng=torch.tensor([seed, 0], dtype=torch.int64, device=device),
             buffers=buffers,
         )
+        return state if self._mesh is None else placement.replicate_rest(state, self._mesh)
 
     def _signature(self, state: Any, batch: Any) -> tuple[_Signature, list, list]:
         state_leaves, state_def = tree.flatten(state)
@@ -145,8 +162,33 @@ class Step:
         signature = _Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
         return signature, state_leaves, batch_leaves
 
-    def _trace(self, state: Any, batch: Any) -> trace_lib.TracedStep:
-        return trace_lib.trace(self._loss_fn, self._optimizer, state, batch, donate=self._donate)
+    def _build(self, state: Any, batch: Any) -> _Compiled:
+        """Stages 1 (trace) and 2 (shard, on a mesh) for this state and batch."""
+        if self._mesh is None:
+            traced = trace_lib.trace(self._loss_fn, self._optimizer, state, batch, donate=self._donate)
+            return _Compiled(traced, traced.graph_module, None, None)
+        plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
+        state_leaves, state_def = tree.flatten(state)
+        batch_leaves, batch_def = tree.flatten(batch)
+        mode = _torch_private.fake_mode()
+        with mode:  # global-shaped stand-ins: stage 1 never allocates the global state
+            fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in [*state_leaves, *batch_leaves]]
+        n = len(state_leaves)
+        traced = trace_lib.trace(
+            self._loss_fn,
+            self._optimizer,
+            tree.unflatten(state_def, fakes[:n]),
+            tree.unflatten(batch_def, fakes[n:]),
+            donate=self._donate,
+            keep_markers=True,
+        )
+        local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
+            batch_leaves, plan.batch_placements, self._mesh
+        )
+        local = spmd.expand(
+            traced, plan, [tuple(t.shape) for t in state_leaves], [tuple(t.shape) for t in batch_leaves], local_inputs
+        )
+        return _Compiled(traced, local, None, plan)
 
     def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:
         if self._last_signature is not None:
@@ -161,8 +203,8 @@ class Step:
                     message.replace("tracing and compiling it again", "strict=True forbids a recompile")
                 )
             warnings.warn(message, RecompileWarning, stacklevel=3)
-        traced = self._trace(state, batch)
-        compiled = _Compiled(traced, backend_lib.compile_graph(traced.graph_module, self._backend))
+        built = self._build(state, batch)
+        compiled = built._replace(fn=backend_lib.compile_graph(built.graph, self._backend))
         self._cache[signature] = compiled
         self._structure = (signature.state_def, signature.batch_def)
         return compiled
@@ -184,14 +226,21 @@ class Step:
         if compiled is None:
             compiled = self._compile(signature, state, batch)
         self._last_signature = signature
+        inputs = [*state_leaves, *batch_leaves]
+        if compiled.plan is not None:
+            inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
+                batch_leaves, compiled.plan.batch_placements, self._mesh
+            )
         with torch.no_grad():
-            outputs = compiled.fn(*state_leaves, *batch_leaves)
+            outputs = compiled.fn(*inputs)
         names = compiled.traced.metric_names
         metrics = dict(zip(names, outputs[len(outputs) - len(names) :]))
         if self._donate:
             new_state, new_leaves = state, state_leaves
         else:
             new_leaves = list(outputs[: compiled.traced.num_state_leaves])
+            if compiled.plan is not None:
+                new_leaves = placement.wrap_local(new_leaves, state_leaves, self._mesh)
             new_state = tree.unflatten(signature.state_def, new_leaves)
         self._last_state_leaves = new_leaves
         self._last_state_specs = signature.state_specs
@@ -200,16 +249,22 @@ class Step:
     def lower(self, state: TrainState, batch: Any) -> Lowered:
         """The traced step graph for this state and batch, for inspection (nothing runs)."""
         signature, state_leaves, batch_leaves = self._signature(state, batch)
-        compiled = self._cache.get(signature)
-        traced = compiled.traced if compiled is not None else self._trace(state, batch)
-        return Lowered(traced.graph_module, [*state_leaves, *batch_leaves])
+        built = self._cache.get(signature) or self._build(state, batch)
+        inputs = [*state_leaves, *batch_leaves]
+        if built.plan is not None:
+            inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
+                batch_leaves, built.plan.batch_placements, self._mesh
+            )
+        return Lowered(built.graph, inputs, global_graph=built.traced.graph_module, mesh=self._mesh)
 
 
 def compile_step(
     loss_fn: LossFn,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     *,
     optimizer: GradientTransformation,
+    param_sharding: Rules | None = None,
+    batch_sharding: P | None = None,
     backend: str = "inductor",
     donate: bool = True,
     strict: bool = False,
@@ -220,12 +275,20 @@ def compile_step(
     and batch; later calls with the same signature replay the compiled graph. A new signature
     traces and compiles again, with a ``RecompileWarning`` naming the leaf that changed.
 
+    ``loss_fn`` has global semantics (as under ``jax.jit``): it is written as if everything
+    lived on one device; the mesh and specs change where work runs and which collectives are
+    issued, not the result.
+
     Args:
       loss_fn: a pure ``loss_fn(params, batch)`` returning a 0-d loss tensor or
         ``(loss, aux)`` with ``aux`` a dict of tensors (reported as metrics). It may not
         mutate its inputs nor read tensor values on the host (``.item()``, ``if x > 0``).
-      mesh: the device mesh; ``None`` (one device) is the only value this version supports.
+      mesh: an ``fsg.Mesh``; ``None`` (or a mesh of size 1) runs on one device.
       optimizer: a ``fsg.optim.GradientTransformation``.
+      param_sharding: ``fsg.sharding`` rules giving each parameter's spec; default replicated.
+      batch_sharding: the spec of every batch leaf; default ``P("dp")`` (dim 0 over the
+        ``dp`` axis) when the mesh has a ``dp`` axis. The axes it names are the data axes.
+        Pass batches as global tensors (each rank keeps its slice) or as DTensors.
       backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
       donate: update the state in place (no second copy of params and optimizer state);
         the state passed in is returned, updated.
@@ -244,9 +307,15 @@ def compile_step(
       >>> sorted(metrics)
       ['grad_norm', 'loss', 'lr']
     """
-    if mesh is not None:
-        raise UnsupportedError(
-            f"compile_step got mesh={mesh!r}, but this version of fsg compiles for one device "
-            f"only; pass mesh=None (sharding over a mesh is tracked in the sharding issue)."
-        )
-    return Step(loss_fn, optimizer, backend=backend, donate=donate, strict=strict)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"compile_step: mesh must be an fsg.Mesh or None, got {type(mesh).__name__}")
+    return Step(
+        loss_fn,
+        optimizer,
+        backend=backend,
+        donate=donate,
+        strict=strict,
+        mesh=mesh,
+        param_sharding=param_sharding,
+        batch_sharding=batch_sharding,
+    )

@@ -94,7 +94,7 @@ def train_step(
                 f"rename it (built-in metrics: {sorted(metrics)})."
             )
         metrics[name] = value.detach()
-    rng = state.rng + torch.tensor([0, 1], dtype=state.rng.dtype, device=state.rng.device)
+    rng = torch.cat([state.rng[:1], state.rng[1:] + 1])  # (seed, counter + 1)
     new_state = TrainState(state.step + 1, params, opt_state, rng, state.buffers)
     return new_state, metrics
 

@@ -1,0 +1,187 @@
+"""Stage 2: expand the global step graph into a per-rank graph with collectives.
+
+The global graph of stage 1 is re-run by an FX interpreter on ``DTensor`` inputs (placements
+from the specs) under ``make_fx``, so DTensor's own sharding propagation emits
+``_c10d_functional`` collectives into a local graph over the rank's shards. Four rules
+(``../shared/DESIGN.md`` §2) steer it:
+
+1. outputs are constrained to their declared placements (metrics replicated);
+2. each gradient (``fsg::grad`` marker) is constrained to its parameter's placement right
+   after backward (all-reduce for replicated params, reduce-scatter for sharded ones);
+3. data axes shard storage, not compute: at each parameter read (``fsg::param_use``) the
+   parameter is gathered over the data axes (FSDP), while the optimizer reads the shard;
+4. an op DTensor has no rule for raises ``ShardingRuleError`` naming the op and source line.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from fsg._src import _torch_private, markers, purity
+from fsg._src.errors import ShardingRuleError
+from fsg._src.mesh import Mesh
+from fsg._src.trace import TracedStep
+
+
+class ShardPlan(NamedTuple):
+    """Where every input of the step graph lives on the mesh."""
+
+    mesh: Mesh
+    state_placements: tuple[tuple[Placement, ...], ...]  # one per flat state leaf
+    batch_placements: tuple[tuple[Placement, ...], ...]  # one per flat batch leaf
+    param_leaves: tuple[int, ...]  # index in the flat state of each parameter leaf
+    data_axes: tuple[str, ...]  # mesh axes that shard the batch
+
+    def param_placements(self, i: int) -> tuple[Placement, ...]:
+        return self.state_placements[self.param_leaves[i]]
+
+    def compute_placements(self, i: int) -> tuple[Placement, ...]:
+        """A parameter's placements with its data axes gathered (rule 3)."""
+        data = {self.mesh.axis_names.index(a) for a in self.data_axes}
+        return tuple(Replicate() if d in data else p for d, p in enumerate(self.param_placements(i)))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def local_shard(t: torch.Tensor, placements: tuple[Placement, ...], mesh: Mesh) -> torch.Tensor:
+    """This rank's piece of the global tensor ``t`` (mesh axes split in order, as DTensor does)."""
+    coords = mesh.device_mesh.get_coordinate()
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            t = t.tensor_split(mesh.shape[axis], dim=placement.dim)[coords[axis]]
+    return t
+
+
+def _redistribute(x: Any, mesh: Mesh, placements: tuple[Placement, ...]) -> Any:
+    if not isinstance(x, DTensor) or tuple(x.placements) == tuple(placements):
+        return x
+    return x.redistribute(mesh.device_mesh, placements)
+
+
+class _Expander(fx.Interpreter):
+    """Runs the global graph on DTensors, applying the sharding rules."""
+
+    def __init__(self, gm: fx.GraphModule, plan: ShardPlan):
+        super().__init__(gm)
+        self.plan = plan
+        self._node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self._node = n
+        return super().run_node(n)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            # Constants (a module's own buffers, literals) are replicated on every rank.
+            replicate = [Replicate()] * self.plan.mesh.device_mesh.ndim
+            value = DTensor.from_local(value, self.plan.mesh.device_mesh, replicate, run_check=False)
+        return value
+
+    def call_function(self, target, args, kwargs):
+        mesh = self.plan.mesh
+        if target is markers.PARAM_USE:  # rule 3: gather over data axes where the loss reads it
+            return _redistribute(args[0], mesh, self.plan.compute_placements(args[1]))
+        if target is markers.GRAD:  # rule 2: the gradient takes its parameter's placement
+            return _redistribute(args[0], mesh, self.plan.param_placements(args[1]))
+        if target is torch.ops.aten.lift_fresh_copy.default and isinstance(args[0], DTensor):
+            return args[0].clone()  # a literal tensor, already replicated by get_attr
+        if target is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
+            # Donation writes the new value into the old leaf: same placement (rule 1).
+            args = (args[0], _redistribute(args[1], mesh, tuple(args[0].placements)), *args[2:])
+        try:
+            return super().call_function(target, args, kwargs)
+        except NotImplementedError as exc:
+            raise self._no_rule(target, exc) from exc
+        except RuntimeError as exc:
+            if "sharding strategy" not in str(exc) and "sharding propagation" not in str(exc):
+                raise
+            raise self._no_rule(target, exc) from exc
+
+    def _no_rule(self, target, exc: Exception) -> ShardingRuleError:
+        where = purity.user_frame_of_node(self._node) if self._node is not None else "(source line unknown)"
+        return ShardingRuleError(
+            f"the sharded step needs op {target} at {where}, which has no sharding rule for "
+            f"its inputs' placements ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
+            f"Change the spec of the parameters feeding it (replicate them over that axis), or "
+            f"shard the batch only (fsg.sharding.data_parallel())."
+        )
+
+
+def expand(
+    traced: TracedStep,
+    plan: ShardPlan,
+    state_shapes: list[tuple[int, ...]],
+    batch_shapes: list[tuple[int, ...]],
+    local_inputs: list[torch.Tensor],
+) -> fx.GraphModule:
+    """Stage 2: the per-rank graph of ``traced`` under ``plan``.
+
+    Its inputs are the rank's local pieces of the state then the batch leaves; its outputs
+    those of the global graph, as local tensors (metrics replicated).
+    """
+    mesh = plan.mesh
+    placements = [*plan.state_placements, *plan.batch_placements]
+    shapes = [*state_shapes, *batch_shapes]
+    n_metrics = len(traced.metric_names)
+    replicate = tuple(Replicate() for _ in mesh.shape)
+
+    def local_step(*locals_):
+        dtensors = [
+            DTensor.from_local(t, mesh.device_mesh, pl, run_check=False, shape=torch.Size(s), stride=_contiguous_stride(s))
+            for t, pl, s in zip(locals_, placements, shapes)
+        ]
+        outputs = _Expander(traced.graph_module, plan).run(*dtensors)
+        if not isinstance(outputs, (tuple, list)):
+            outputs = (outputs,)
+        n_new_state = len(outputs) - n_metrics
+        local_outputs = []
+        for i, out in enumerate(outputs):
+            target = plan.state_placements[i] if i < n_new_state else replicate
+            out = _redistribute(out, mesh, target)  # rule 1
+            local_outputs.append(out.to_local() if isinstance(out, DTensor) else out)
+        return tuple(local_outputs)
+
+    return _torch_private.trace_fake(local_step, *local_inputs)
+
+
+class Collective(NamedTuple):
+    """One kind of collective of a step: what ``Lowered.collectives()`` lists."""
+
+    kind: str
+    axis: str
+    bytes: int
+    count: int
+
+
+def collectives(gm: fx.GraphModule, mesh: Mesh | None) -> list[Collective]:
+    """The collectives of a local step graph, grouped by (kind, mesh axis)."""
+    names = {}
+    if mesh is not None and mesh.size > 1:
+        for axis in mesh.axis_names:
+            names[mesh.device_mesh.get_group(axis).group_name] = axis
+    table: dict[tuple[str, str], list[int]] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, _torch_private.OpOverload):
+            continue
+        if target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
+            continue
+        group = next((a for a in node.args if isinstance(a, str) and a in names), None)
+        axis = names.get(group, "+".join(mesh.axis_names) if mesh is not None else "?")
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        entry = table.setdefault((target._opname, axis), [0, 0])
+        entry[0] += nbytes
+        entry[1] += 1
+    return [Collective(kind, axis, b, c) for (kind, axis), (b, c) in sorted(table.items())]
