@@ -1,19 +1,25 @@
 """fsg: full-step graphs, a JAX-style functional training API for PyTorch."""
 
+from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
+from fsg import sharding as sharding
 from fsg._src.errors import FsgError as FsgError
 from fsg._src.errors import HostSyncError as HostSyncError
 from fsg._src.errors import ImpureLossError as ImpureLossError
 from fsg._src.errors import LossNotScalarError as LossNotScalarError
+from fsg._src.errors import MeshError as MeshError
 from fsg._src.errors import NonTensorLeafError as NonTensorLeafError
 from fsg._src.errors import RecompileError as RecompileError
 from fsg._src.errors import RecompileWarning as RecompileWarning
+from fsg._src.errors import ShardingRuleError as ShardingRuleError
 from fsg._src.errors import StructureMismatchError as StructureMismatchError
 from fsg._src.errors import UnsupportedError as UnsupportedError
 from fsg._src.functional import apply as apply
 from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
+from fsg._src.mesh import Mesh as Mesh
+from fsg._src.mesh import P as P
 from fsg._src.stages import Cost as Cost
 from fsg._src.stages import Lowered as Lowered
 from fsg._src.step import Step as Step
@@ -24,6 +30,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cost",
+    "Mesh",
+    "MeshError",
+    "P",
+    "ShardingRuleError",
+    "distributed",
+    "sharding",
     "FsgError",
     "HostSyncError",
     "ImpureLossError",

@@ -7,7 +7,7 @@ import fsg.optim
 
 def test_fsg_public_names():
     assert sorted(fsg.__all__) == sorted([
-        "Cost", "FsgError", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError",
+        "Cost", "FsgError", "Mesh", "MeshError", "P", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError",
         "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
         "TrainState", "UnsupportedError", "apply", "buffers", "compile_step", "nn", "optim", "params",
     ])  # fmt: skip
@@ -36,3 +36,17 @@ def test_errors_are_fsg_errors():
     for name in ["HostSyncError", "ImpureLossError", "LossNotScalarError", "NonTensorLeafError",
                  "RecompileError", "StructureMismatchError", "UnsupportedError"]:  # fmt: skip
         assert issubclass(getattr(fsg, name), fsg.FsgError)
+
+
+def test_sharding_testing_distributed_names():
+    import fsg.distributed
+    import fsg.sharding
+    import fsg.testing
+
+    assert sorted(fsg.sharding.__all__) == sorted(
+        ["Rules", "data_parallel", "fsdp", "fsdp_tensor_parallel", "rules", "tensor_parallel"]
+    )
+    assert sorted(fsg.testing.__all__) == sorted(
+        ["MultiRank", "RankError", "assert_sharded_matches_unsharded", "mesh", "mesh_strategy", "spec_strategy"]
+    )
+    assert sorted(fsg.distributed.__all__) == ["ProcessInfo", "initialize", "shutdown"]

@@ -49,3 +49,7 @@ class MeshError(FsgError, ValueError):
 
 class ShardingRuleError(FsgError):
     """An op of the step has no sharding rule for the placements of its inputs."""
+
+    def __init__(self, message: str, *, op=None):
+        super().__init__(message)
+        self.op = op

@@ -83,13 +83,16 @@ def local_batch(batch_leaves: list, placements: tuple, mesh: Mesh) -> list[torch
     """This rank's piece of each batch leaf: a global tensor is sliced, a DTensor unwrapped."""
     out = []
     for leaf, pl in zip(batch_leaves, placements):
-        out.append(leaf.to_local() if isinstance(leaf, DTensor) else local_shard(leaf, pl, mesh))
+        # Contiguous, as the stand-ins stage 1 traced with: a view in the graph relies on it.
+        out.append((leaf.to_local() if isinstance(leaf, DTensor) else local_shard(leaf, pl, mesh)).contiguous())
     return out
 
 
 def wrap_local(new_local: list[torch.Tensor], like: list[DTensor], mesh: Mesh) -> list[DTensor]:
     """New local pieces as DTensors placed like the leaves of ``like``."""
     return [
-        DTensor.from_local(t, mesh.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
+        DTensor.from_local(
+            t, mesh.device_mesh, leaf.placements, run_check=False, shape=leaf.shape, stride=leaf.stride()
+        )
         for t, leaf in zip(new_local, like)
     ]

@@ -78,15 +78,24 @@ class _Violation(Exception):
         self.error = error
 
 
-class _Watch(_torch_private.TorchDispatchMode):
-    """Stops at the first host read or in-place write to a watched input."""
+class _Found(Exception):
+    def __init__(self, where: str):
+        self.where = where
 
-    def __init__(self, watched: dict[int, str]):
+
+class _Watch(_torch_private.TorchDispatchMode):
+    """Stops at the first host read or in-place write to a watched input, or at the first
+    call of ``stop_at``."""
+
+    def __init__(self, watched: dict[int, str], stop_at: Any = None):
         super().__init__()
         self._watched = watched
+        self._stop_at = stop_at
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is self._stop_at:
+            raise _Found(user_frame(traceback.extract_stack()))
         if func in _torch_private.HOST_SYNC_OPS:
             where = user_frame(traceback.extract_stack())
             raise _Violation(host_sync_error(where, ".item(), float(), int() or bool() of a tensor"))
@@ -102,26 +111,46 @@ class _Watch(_torch_private.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def diagnose(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any) -> FsgError | None:
-    """Runs ``loss_fn`` on fake copies of its inputs and returns the first purity violation
-    (with its source line), or ``None`` if the loss ran clean."""
+def _run_on_fakes(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any, stop_at: Any = None) -> None:
     mode = _torch_private.fake_mode()
+
+    def fake(t: torch.Tensor) -> torch.Tensor:  # real, fake or DTensor: same global shape
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
     with mode:
-        fake_params = tree.tree_map(mode.from_tensor, params)
-        fake_batch = tree.tree_map(mode.from_tensor, batch)
+        fake_params = tree.tree_map(fake, params)
+        fake_batch = tree.tree_map(fake, batch)
     watched = {}
     for root, fakes in (("params", fake_params), ("batch", fake_batch)):
         leaves, _ = tree.flatten(fakes)
         watched.update({id(leaf): path for leaf, path in zip(leaves, tree.leaf_paths(fakes, root))})
+    with mode, _Watch(watched, stop_at):
+        loss_fn(fake_params, fake_batch, buffers) if buffers else loss_fn(fake_params, fake_batch)
+
+
+def diagnose(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any) -> FsgError | None:
+    """Runs ``loss_fn`` on fake copies of its inputs and returns the first purity violation
+    (with its source line), or ``None`` if the loss ran clean."""
     try:
-        with mode, _Watch(watched):
-            loss_fn(fake_params, fake_batch, buffers) if buffers else loss_fn(fake_params, fake_batch)
+        _run_on_fakes(loss_fn, params, batch, buffers)
     except _Violation as violation:
         return violation.error
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         return host_sync_error(where, "data-dependent Python control flow")
     except Exception:  # a diagnosis is best effort: the caller raises its own error
+        return None
+    return None
+
+
+def locate(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any, op: Any) -> str | None:
+    """The user source line where ``loss_fn`` first calls aten ``op`` (run on fake tensors),
+    or ``None`` if the forward pass does not call it."""
+    try:
+        _run_on_fakes(loss_fn, params, batch, buffers, stop_at=op)
+    except _Found as found:
+        return found.where
+    except Exception:  # best effort
         return None
     return None
 

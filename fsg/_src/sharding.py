@@ -80,7 +80,7 @@ def fsdp(axis: str = "dp") -> Rules:
 
     Example:
       >>> fsg.sharding.fsdp("dp").spec_for("w", (8, 3), fsg.Mesh({"dp": 1}))
-      P('dp',)
+      P('dp')
     """
     return Rules([], _fsdp_spec(axis))
 

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import fx
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from fsg._src import _torch_private, markers, purity
+from fsg._src import _torch_private, markers, purity, tree
 from fsg._src.errors import ShardingRuleError
 from fsg._src.mesh import Mesh
 from fsg._src.trace import TracedStep
@@ -68,6 +68,10 @@ def _redistribute(x: Any, mesh: Mesh, placements: tuple[Placement, ...]) -> Any:
     return x.redistribute(mesh.device_mesh, placements)
 
 
+def _is_plain(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
 class _Expander(fx.Interpreter):
     """Runs the global graph on DTensors, applying the sharding rules."""
 
@@ -78,15 +82,25 @@ class _Expander(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self._node = n
-        return super().run_node(n)
+        result = super().run_node(n)
+        if isinstance(result, DTensor) and len(n.users) > 1 and any(isinstance(p, Partial) for p in result.placements):
+            # A partial sum read by several ops would be reduced once per reader; reduce it
+            # once here (Megatron's all-reduce after the row-parallel matmul). Single-reader
+            # partials stay partial, so a gradient still reaches its marker unreduced and is
+            # reduce-scattered there (FSDP).
+            placements = [Replicate() if isinstance(p, Partial) else p for p in result.placements]
+            result = result.redistribute(self.plan.mesh.device_mesh, placements)
+        return result
+
+    def _replicated(self, value: Any) -> Any:
+        if not _is_plain(value):
+            return value
+        replicate = [Replicate()] * self.plan.mesh.device_mesh.ndim
+        return DTensor.from_local(value, self.plan.mesh.device_mesh, replicate, run_check=False)
 
     def get_attr(self, target, args, kwargs):
-        value = super().get_attr(target, args, kwargs)
-        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            # Constants (a module's own buffers, literals) are replicated on every rank.
-            replicate = [Replicate()] * self.plan.mesh.device_mesh.ndim
-            value = DTensor.from_local(value, self.plan.mesh.device_mesh, replicate, run_check=False)
-        return value
+        # Constants (a module's own buffers, literals) are replicated on every rank.
+        return self._replicated(super().get_attr(target, args, kwargs))
 
     def call_function(self, target, args, kwargs):
         mesh = self.plan.mesh
@@ -99,6 +113,10 @@ class _Expander(fx.Interpreter):
         if target is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             # Donation writes the new value into the old leaf: same placement (rule 1).
             args = (args[0], _redistribute(args[1], mesh, tuple(args[0].placements)), *args[2:])
+        leaves, _ = tree.flatten((args, kwargs))
+        if any(isinstance(a, DTensor) for a in leaves) and any(_is_plain(a) for a in leaves):
+            # Tensors made inside the step (masks, aranges) are the same on every rank.
+            args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
             return super().call_function(target, args, kwargs)
         except NotImplementedError as exc:
@@ -114,7 +132,8 @@ class _Expander(fx.Interpreter):
             f"the sharded step needs op {target} at {where}, which has no sharding rule for "
             f"its inputs' placements ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
             f"Change the spec of the parameters feeding it (replicate them over that axis), or "
-            f"shard the batch only (fsg.sharding.data_parallel())."
+            f"shard the batch only (fsg.sharding.data_parallel()).",
+            op=target,
         )
 
 
@@ -138,7 +157,9 @@ def expand(
 
     def local_step(*locals_):
         dtensors = [
-            DTensor.from_local(t, mesh.device_mesh, pl, run_check=False, shape=torch.Size(s), stride=_contiguous_stride(s))
+            DTensor.from_local(
+                t, mesh.device_mesh, pl, run_check=False, shape=torch.Size(s), stride=_contiguous_stride(s)
+            )
             for t, pl, s in zip(locals_, placements, shapes)
         ]
         outputs = _Expander(traced.graph_module, plan).run(*dtensors)

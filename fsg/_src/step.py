@@ -7,17 +7,20 @@ recomputed when its leaves are not the very tensors the previous call returned.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import re
 import warnings
 from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, placement, spmd, tree
+from fsg._src import _torch_private, placement, purity, spmd, tree
 from fsg._src import backend as backend_lib
 from fsg._src import trace as trace_lib
-from fsg._src.errors import RecompileError, RecompileWarning, StructureMismatchError
+from fsg._src.errors import RecompileError, RecompileWarning, ShardingRuleError, StructureMismatchError
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.sharding import Rules
@@ -174,20 +177,34 @@ class Step:
         with mode:  # global-shaped stand-ins: stage 1 never allocates the global state
             fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in [*state_leaves, *batch_leaves]]
         n = len(state_leaves)
-        traced = trace_lib.trace(
-            self._loss_fn,
-            self._optimizer,
-            tree.unflatten(state_def, fakes[:n]),
-            tree.unflatten(batch_def, fakes[n:]),
-            donate=self._donate,
-            keep_markers=True,
-        )
+        # DTensor has sharding rules for the CUDA attention kernels but not the CPU one: on
+        # CPU, attention is traced as its math (bmm, softmax), which it can shard.
+        math_attention = self._mesh.device_type == "cpu"
+        with sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext():
+            traced = trace_lib.trace(
+                self._loss_fn,
+                self._optimizer,
+                tree.unflatten(state_def, fakes[:n]),
+                tree.unflatten(batch_def, fakes[n:]),
+                donate=self._donate,
+                keep_markers=True,
+            )
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
             batch_leaves, plan.batch_placements, self._mesh
         )
-        local = spmd.expand(
-            traced, plan, [tuple(t.shape) for t in state_leaves], [tuple(t.shape) for t in batch_leaves], local_inputs
-        )
+        try:
+            local = spmd.expand(
+                traced,
+                plan,
+                [tuple(t.shape) for t in state_leaves],
+                [tuple(t.shape) for t in batch_leaves],
+                local_inputs,
+            )
+        except ShardingRuleError as exc:
+            where = purity.locate(self._loss_fn, state.params, batch, state.buffers, exc.op)
+            if where is None:
+                raise
+            raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
         return _Compiled(traced, local, None, plan)
 
     def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:

@@ -1,0 +1,106 @@
+"""A pool of ranks that keeps one gloo process group alive across many test cases.
+
+Starting processes and a process group costs seconds; a property test runs dozens of cases.
+``MultiRank(world_size)`` starts the ranks once; ``run(fn, *args)`` runs ``fn(*args)`` on
+every rank at once and returns the per-rank results (or raises the first rank's error, with
+its traceback). ``fn`` must be importable by name (a module-level function).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+_MESHES: dict[tuple, Any] = {}
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankError(AssertionError):
+    """A function failed on one of the ranks; the message holds that rank's traceback."""
+
+
+class MultiRank:
+    """``world_size`` CPU processes joined in one gloo process group.
+
+    Example:
+      >>> with fsg.testing.MultiRank(2) as ranks:          # doctest: +SKIP
+      ...     ranks.run(my_module.check_sharded_step)       # runs on both ranks
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 300.0):
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="fsg-gloo-")
+        os.close(fd)
+        os.unlink(self._init_file)
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker, args=(r, world_size, self._init_file, self._tasks[r], self._results), daemon=True
+            )
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, Any] = {}
+        errors = []
+        for _ in range(self.world_size):
+            rank, ok, value = self._results.get(timeout=self.timeout)
+            (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
+        if errors:
+            rank, message = min(errors)
+            raise RankError(f"rank {rank} of {self.world_size} failed:\n{message}")
+        return [out[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)
+
+    def __enter__(self) -> MultiRank:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def mesh(axes: dict[str, int]):
+    """An ``fsg.Mesh`` for ``axes``, made once per process (device meshes create process
+    groups; a property test asks for the same few meshes many times)."""
+    from fsg._src.mesh import Mesh
+
+    key = tuple(axes.items())
+    if key not in _MESHES:
+        _MESHES[key] = Mesh(dict(axes), device_type="cpu")
+    return _MESHES[key]

@@ -1,0 +1,105 @@
+"""The sharded step equals the unsharded step, and issues the collectives the rules promise.
+
+Real gloo process groups on CPU (2 and 4 ranks), one pool per world size for the session.
+"""
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import fsg.testing
+from tests.dist import workers
+
+MLP_SHAPES = {"0.weight": (32, 8), "0.bias": (32,), "2.weight": (4, 32), "2.bias": (4,)}
+GPT_SHAPES = {
+    "wte.weight": (32, 16), "wpe.weight": (16, 16), "blocks.0.ln_1.weight": (16,),
+    "blocks.0.attn.qkv.weight": (48, 16), "blocks.0.attn.proj.weight": (16, 16),
+    "blocks.0.ln_2.weight": (16,), "blocks.0.fc.weight": (64, 16), "blocks.0.fc_proj.weight": (16, 64),
+    "ln_f.weight": (16,),
+}  # fmt: skip
+DIST = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def case_strategy(draw, shapes: dict, batch: int):
+    world = draw(st.sampled_from([1, 2, 4]))
+    axes = draw(fsg.testing.mesh_strategy(world))
+    specs = {name: tuple(draw(fsg.testing.spec_strategy(shape, axes))) for name, shape in shapes.items()}
+    batch_axes = draw(st.sampled_from([()] + [(a,) for a, n in axes.items() if batch % n == 0]))
+    return world, axes, specs, batch_axes
+
+
+def run_case(ranks, fn, world, axes, specs, batch_axes):
+    if world == 1:
+        fn(axes, specs, batch_axes)  # a mesh of size 1: the single-device path, in process
+    else:
+        ranks(world).run(fn, axes, specs, batch_axes)
+
+
+@DIST
+@given(case_strategy(MLP_SHAPES, batch=16))
+@example((4, {"dp": 2, "tp": 2}, {"0.weight": ("tp", "dp"), "0.bias": ("tp",), "2.weight": (None, ("dp", "tp"))}, ("dp",)))
+def test_sharded_mlp_matches_unsharded(ranks, case):
+    run_case(ranks, workers.check_mlp, *case)
+
+
+@DIST
+@given(case_strategy(GPT_SHAPES, batch=4))
+@example((4, {"dp": 2, "tp": 2}, {"blocks.0.fc.weight": ("tp", "dp"), "blocks.0.fc_proj.weight": ("dp", "tp")}, ("dp",)))
+def test_sharded_transformer_matches_unsharded(ranks, case):
+    run_case(ranks, workers.check_gpt, *case)
+
+
+@pytest.mark.parametrize(
+    "world, axes, preset",
+    [(2, {"dp": 2}, "dp"), (2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")],
+)
+def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
+    ranks(world).run(workers.check_gpt_preset, axes, preset)
+
+
+def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ranks):
+    table, param_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "dp")[0]
+    # One all-reduce per gradient (4 params) plus the 4-byte loss metric; no gathers: no
+    # collective touches an activation, so none happens in the forward pass.
+    assert table == [("all_reduce", "dp", sum(param_bytes) + 4, len(param_bytes) + 1)]
+
+
+def test_fsdp_gathers_params_and_reduce_scatters_grads_only(ranks):
+    table, local_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "fsdp")[0]
+    rows = {kind: (nbytes, count) for kind, axis, nbytes, count in table}
+    # all-gathers read exactly the local parameter shards: never an activation.
+    assert rows["all_gather_into_tensor"] == (sum(local_bytes), len(local_bytes))
+    # reduce-scatters read full-size gradients (2 x the local shards), one per parameter.
+    assert rows["reduce_scatter_tensor"] == (2 * sum(local_bytes), len(local_bytes))
+    # the rest are scalars: the loss and the global grad norm.
+    assert rows["all_reduce"] == (8, 2)
+
+
+def test_column_row_tensor_parallel_mlp_all_reduces_once_forward_once_backward(ranks):
+    table, _ = ranks(2).run(workers.collectives_of, {"tp": 2}, "tp", "tp_mlp")[0]
+    activation = 16 * 8 * 4  # [batch, features] float32
+    # forward: the row-parallel output; backward: the gradient entering the column layer;
+    # plus the 4-byte sum of squares of the sharded gradients for grad_norm.
+    assert table == [("all_reduce", "tp", 2 * activation + 4, 3)]
+
+
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("unknown_axis", "MeshError", r"P\('mp', None\) for params\['0.weight'\] names axis 'mp'"),
+        ("no_rule", "ShardingRuleError", r"aten.renorm.default at File .*workers.py.*torch.renorm"),
+    ],
+)
+def test_bad_specs_and_ops_get_clear_errors(ranks, case, error, match):
+    import re
+
+    message = ranks(2).run(workers.expect_error, {"dp": 2}, case)[0]
+    assert message.startswith(error)
+    assert re.search(match, message), message
+
+
+def test_indivisible_spec_names_the_leaf_and_sizes(ranks):
+    message = ranks(4).run(workers.expect_error, {"dp": 4}, "indivisible")[0]
+    assert message.startswith("MeshError")
+    assert "shards dim 0 of params['0.bias'] (size 30) over ('dp',) (4 ways)" in message

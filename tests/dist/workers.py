@@ -1,0 +1,132 @@
+"""Functions the multi-rank tests run on every rank (importable by name in the workers)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import fsg
+import fsg.sharding
+import fsg.testing
+from tests.helpers import mlp, mse_loss_fn, regression_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+
+def exact_rules(specs: dict[str, tuple]) -> fsg.sharding.Rules:
+    return fsg.sharding.rules([(name.replace(".", r"\."), fsg.P(*spec)) for name, spec in specs.items()])
+
+
+def check_mlp(axes: dict, specs: dict, batch_spec: tuple) -> float:
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    batches = [regression_batch(n=16, seed=i) for i in range(3)]
+    fsg.testing.assert_sharded_matches_unsharded(
+        mse_loss_fn(model), fsg.params(model), batches, fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=exact_rules(specs), batch_sharding=fsg.P(*batch_spec),
+    )  # fmt: skip
+    return 0.0
+
+
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    # bias=False: a key bias has an exactly zero gradient (softmax is shift-invariant), and Adam
+    # would amplify its reassociation noise to full-size updates.
+    return GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=False))
+
+
+def gpt_batches(n: int = 3):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 32, (4, 17), generator=g)
+        out.append({"x": x[:, :-1], "y": x[:, 1:]})
+    return out
+
+
+def gpt_loss(model):
+    def loss_fn(params, batch):
+        return fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])
+
+    return loss_fn
+
+
+def check_gpt(axes: dict, specs: dict, batch_spec: tuple) -> float:
+    model = tiny_gpt()
+    fsg.testing.assert_sharded_matches_unsharded(
+        gpt_loss(model), fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=exact_rules(specs), batch_sharding=fsg.P(*batch_spec), rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    return 0.0
+
+
+def check_gpt_preset(axes: dict, preset: str) -> float:
+    rules = {
+        "dp": fsg.sharding.data_parallel(),
+        "fsdp": fsg.sharding.fsdp("dp"),
+        "tp": fsg.sharding.tensor_parallel("tp"),
+        "fsdp_tp": fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
+    }[preset]
+    model = tiny_gpt()
+    batch_spec = fsg.P("dp") if "dp" in axes else fsg.P()
+    fsg.testing.assert_sharded_matches_unsharded(
+        gpt_loss(model), fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    return 0.0
+
+
+def collectives_of(axes: dict, preset: str, model_name: str = "mlp") -> list[tuple]:
+    """The collectives table of one step, and the local bytes of each param."""
+    mesh = fsg.testing.mesh(axes)
+    if model_name == "tp_mlp":
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        rules = fsg.sharding.rules(
+            [(r"2\.weight", fsg.P("tp", None)), (r"2\.bias", fsg.P("tp")), (r"4\.weight", fsg.P(None, "tp"))]
+        )
+        batch = {"x": torch.randn(16, 8), "y": torch.randn(16, 8)}
+        batch_spec = fsg.P()
+    else:
+        model = mlp(d_in=8, d_hidden=32, d_out=4)
+        rules = fsg.sharding.fsdp("dp") if preset == "fsdp" else fsg.sharding.data_parallel()
+        batch = regression_batch(n=16)
+        batch_spec = fsg.P("dp")
+    step = fsg.compile_step(
+        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules,
+        batch_sharding=batch_spec, backend="aot_eager",
+    )  # fmt: skip
+    state = step.init(fsg.params(model))
+    table = [tuple(c) for c in step.lower(state, batch).collectives()]
+    param_bytes = sorted(p.to_local().numel() * 4 for p in state.params.values())
+    return table, param_bytes
+
+
+def expect_error(axes: dict, case: str) -> str:
+    mesh = fsg.testing.mesh(axes)
+    model = mlp(d_in=8, d_hidden=30, d_out=4)
+    if case == "unknown_axis":
+        rules = fsg.sharding.rules([(r"0\.weight", fsg.P("mp", None))])
+    elif case == "indivisible":
+        rules = fsg.sharding.rules([(r"0\.bias", fsg.P("dp"))])  # 30 over 4 ranks
+    else:
+        rules = fsg.sharding.data_parallel()
+
+    def no_rule_loss(params, batch):
+        out = fsg.apply(model, params, batch["x"])
+        return torch.renorm(out, 2, 0, 1.0).mean()  # DTensor has no sharding rule for renorm
+
+    loss_fn = no_rule_loss if case == "no_rule" else mse_loss_fn(model)
+    step = fsg.compile_step(loss_fn, mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules, backend="aot_eager")
+    try:
+        state = step.init(fsg.params(model))
+        step(state, regression_batch(n=16))
+    except fsg.FsgError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
