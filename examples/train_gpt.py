@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                      # CPU default: ~2-3 minutes on 2 cores
     python examples/train_gpt.py --device cuda --n-layer 6 --n-embd 384 --block-size 256 --steps 5000
+    torchrun --nproc-per-node=4 examples/train_gpt.py --mesh dp=2,tp=2   # sharded, 4 processes
 
 The whole train step (forward, backward, AdamW with warm-up and cosine decay, gradient
 clipping) is one compiled graph. The script prints a progress bar, samples text from the model
@@ -122,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=50, help="warm-up steps (at most a fifth of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -130,21 +131,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out", help="folder for loss.png")
+    p.add_argument("--mesh", help="shard over a device mesh under torchrun, e.g. dp=2,tp=2")
     return p.parse_args(argv)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    axes = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not size.isdigit():
+            raise SystemExit(f"--mesh takes name=size pairs like dp=2,tp=2; got {text!r}")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def sharding_for(axes: dict[str, int]):
+    """FSDP over dp and Megatron tensor parallelism over tp, as the mesh has them."""
+    if "dp" in axes and "tp" in axes:
+        return fsg.sharding.fsdp_tensor_parallel("dp", "tp")
+    if "tp" in axes:
+        return fsg.sharding.tensor_parallel("tp")
+    return fsg.sharding.fsdp(next(iter(axes)))
+
+
+def gathered(params):
+    """Full parameters on every rank (sharded DTensors are gathered), for eager eval."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in params.items()}
 
 
 def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    mesh = None
+    if args.mesh:
+        info = fsg.distributed.initialize()
+        mesh = fsg.Mesh(parse_mesh(args.mesh))
+        args.device = str(info.device)
+    is_main = mesh is None or torch.distributed.get_rank() == 0
+    log = print if is_main else (lambda *a, **k: None)
     device = torch.device(args.device)
     data = CharData(load_text(args.data), args.block_size, device, args.seed)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     model = GPT(cfg).to(device)
     params = fsg.params(model)
     n_params = sum(p.numel() for p in params.values())
-    print(f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
+    log(f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
           f"unigram baseline {data.unigram_entropy:.3f} nats/char")  # fmt: skip
-    print(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}")
+    log(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}"
+        + (f"; {mesh!r}" if mesh else ""))  # fmt: skip
 
     def loss_fn(params, batch):
         logits_BTV = fsg.apply(model, params, batch["x"])
@@ -154,18 +188,25 @@ def main(argv=None) -> dict[str, float]:
     optimizer = fsg.optim.chain(
         fsg.optim.clip_by_global_norm(1.0),
         fsg.optim.adamw(
-            fsg.optim.warmup_cosine(args.lr, warmup=args.warmup, total=args.steps, end_value=args.lr / 10),
+            fsg.optim.warmup_cosine(args.lr, warmup=min(args.warmup, args.steps // 5), total=args.steps, end_value=args.lr / 10),
             b2=0.99, weight_decay=args.weight_decay, mask=decay_2d,
         ),
     )  # fmt: skip
-    step = fsg.compile_step(loss_fn, optimizer=optimizer, backend=args.backend)
+    sharding = sharding_for(mesh_axes := parse_mesh(args.mesh)) if mesh else None
+    step = fsg.compile_step(loss_fn, mesh, optimizer=optimizer, param_sharding=sharding, backend=args.backend)
     state = step.init(params, seed=args.seed)
     del params  # the state holds its own copy, updated in place
 
-    print(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
+    log(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
     t0 = time.perf_counter()
     state, metrics = step(state, data.batch(args.batch_size))
-    print(f"compiled and ran step 1 in {time.perf_counter() - t0:.1f}s")
+    log(f"compiled and ran step 1 in {time.perf_counter() - t0:.1f}s")
+    if mesh:
+        rows = step.lower(state, data.batch(args.batch_size)).collectives()
+        log(
+            f"sharding {mesh_axes}: collectives per step: "
+            + ", ".join(f"{r.count} {r.kind} over {r.axis}" for r in rows)
+        )
 
     history, val_history = [(1, float(metrics["loss"]))], []
     bar = tqdm(
@@ -176,6 +217,7 @@ def main(argv=None) -> dict[str, float]:
         unit="step",
         dynamic_ncols=True,
         mininterval=1.0,
+        disable=not is_main,
     )
     t_train = time.perf_counter()
     for i in bar:
@@ -184,20 +226,25 @@ def main(argv=None) -> dict[str, float]:
             loss = float(metrics["loss"])  # a host sync every 10 steps only
             history.append((i, loss))
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.1e}")
-        if i % args.eval_every == 0 or i == args.steps:
-            val_history.append((i, evaluate(model, state.params, data, args.batch_size)))
-        if i % args.sample_every == 0 or i == args.steps:
-            text = sample(model, state.params, data, "def ", 160)
+        evaluating = i % args.eval_every == 0 or i == args.steps
+        sampling = i % args.sample_every == 0 or i == args.steps
+        if evaluating or sampling:
+            full_params = gathered(state.params)  # on a mesh: an all-gather, on every rank
+        if evaluating:
+            val_history.append((i, evaluate(model, full_params, data, args.batch_size)))
+        if sampling and is_main:
+            text = sample(model, full_params, data, "def ", 160)
             tqdm.write(f"\n--- sample at step {i} (val loss {val_history[-1][1]:.3f}) ---\n{text}\n")
     elapsed = time.perf_counter() - t_train
     bar.close()
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot(history, val_history, data.unigram_entropy, out / "loss.png")
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        plot(history, val_history, data.unigram_entropy, out / "loss.png")
     final_val = val_history[-1][1] if val_history else math.nan
     tokens = (args.steps - 1) * args.batch_size * args.block_size
-    print(f"done: train loss {history[-1][1]:.3f}, validation loss {final_val:.3f} nats/char "
+    log(f"done: train loss {history[-1][1]:.3f}, validation loss {final_val:.3f} nats/char "
           f"(unigram baseline {data.unigram_entropy:.3f}); {tokens / elapsed:,.0f} chars/s; "
           f"loss curve in {out / 'loss.png'}")  # fmt: skip
     return {"train_loss": history[-1][1], "val_loss": final_val, "unigram": data.unigram_entropy}

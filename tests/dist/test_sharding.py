@@ -68,6 +68,8 @@ def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ran
 def test_fsdp_gathers_params_and_reduce_scatters_grads_only(ranks):
     table, local_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "fsdp")[0]
     rows = {kind: (nbytes, count) for kind, axis, nbytes, count in table}
+    # each rank holds half of every parameter: (32*8 + 32 + 4*32 + 4) float32 = 1680 bytes
+    assert sum(local_bytes) * 2 == 1680
     # all-gathers read exactly the local parameter shards: never an activation.
     assert rows["all_gather_into_tensor"] == (sum(local_bytes), len(local_bytes))
     # reduce-scatters read full-size gradients (2 x the local shards), one per parameter.
