@@ -1,9 +1,11 @@
 """fsg: full-step graphs, a JAX-style functional training API for PyTorch."""
 
+from fsg import checkpoint as checkpoint
 from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
 from fsg import sharding as sharding
+from fsg._src.errors import CheckpointError as CheckpointError
 from fsg._src.errors import FsgError as FsgError
 from fsg._src.errors import HostSyncError as HostSyncError
 from fsg._src.errors import ImpureLossError as ImpureLossError
@@ -29,6 +31,8 @@ from fsg._src.train_state import TrainState as TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "checkpoint",
     "Cost",
     "Mesh",
     "MeshError",

@@ -53,3 +53,7 @@ class ShardingRuleError(FsgError):
     def __init__(self, message: str, *, op=None):
         super().__init__(message)
         self.op = op
+
+
+class CheckpointError(FsgError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not match ``like=``."""

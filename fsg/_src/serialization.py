@@ -15,7 +15,7 @@ import torch
 from fsg._src import tree
 from fsg._src.errors import StructureMismatchError
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
     torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -31,9 +31,9 @@ def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
 
 def decode_tensor(record: dict[str, Any], *, where: str) -> torch.Tensor:
     """The tensor of a record made by ``encode_tensor``; ``where`` names it in errors."""
-    dtype = _DTYPES.get(record["dtype"])
+    dtype = DTYPES.get(record["dtype"])
     if dtype is None:
-        raise StructureMismatchError(f"{where}: unknown dtype {record['dtype']!r} (known: {sorted(_DTYPES)})")
+        raise StructureMismatchError(f"{where}: unknown dtype {record['dtype']!r} (known: {sorted(DTYPES)})")
     shape = tuple(record["shape"])
     raw = (
         torch.frombuffer(bytearray(record["data"]), dtype=torch.uint8)

@@ -130,3 +130,66 @@ def expect_error(axes: dict, case: str) -> str:
     except fsg.FsgError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+# --- checkpoints across meshes ---------------------------------------------------------
+
+
+def _ckpt_step(axes: dict | None, preset: str):
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    rules = {
+        "fsdp": fsg.sharding.fsdp("dp"),
+        "dp": fsg.sharding.data_parallel(),
+        "tp": exact_rules({"0.weight": ("tp", None), "0.bias": ("tp",), "2.weight": (None, "tp")}),
+    }[preset]
+    mesh = fsg.testing.mesh(axes) if axes else None
+    batch_spec = fsg.P("dp") if axes and "dp" in axes else fsg.P()
+    step = fsg.compile_step(
+        mse_loss_fn(model), mesh, optimizer=fsg.optim.adamw(1e-2), param_sharding=rules if mesh else None,
+        batch_sharding=batch_spec, backend="aot_eager",
+    )  # fmt: skip
+    return step, model
+
+
+def _full_leaves(state) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from fsg._src import tree
+
+    leaves, _ = tree.flatten(state)
+    return {
+        path: (leaf.full_tensor() if isinstance(leaf, DTensor) else leaf).clone()
+        for path, leaf in zip(tree.leaf_paths(state, "state"), leaves)
+    }
+
+
+def save_trained(path: str, axes: dict | None, preset: str) -> dict:
+    """Two steps on this mesh, then a checkpoint; returns every leaf in full."""
+    step, model = _ckpt_step(axes, preset)
+    state = step.init(fsg.params(model))
+    for i in range(2):
+        state, _ = step(state, regression_batch(seed=i))
+    fsg.checkpoint.save(path, state, metadata={"axes": axes})
+    return _full_leaves(state)
+
+
+def restore_onto(path: str, axes: dict | None, preset: str) -> tuple[dict, int]:
+    """Restores onto this mesh; returns every leaf in full and the bytes this rank read."""
+    from fsg._src.checkpoint import _io
+
+    step, model = _ckpt_step(axes, preset)
+    like = step.init(fsg.params(mlp(seed=7)))  # other values: only the layout matters
+    counted = [0]
+    original = _io.PieceReader.read
+
+    def counting(self, file, offset, nbytes, crc, where):
+        counted[0] += nbytes
+        return original(self, file, offset, nbytes, crc, where)
+
+    _io.PieceReader.read = counting
+    try:
+        state = fsg.checkpoint.restore(path, like=like)
+    finally:
+        _io.PieceReader.read = original
+    state, _ = step(state, regression_batch(seed=9))  # and it trains on
+    return _full_leaves(fsg.checkpoint.restore(path, like=like)), counted[0]
