@@ -201,11 +201,15 @@ def _restore_leaf(entry: dict, like: torch.Tensor, reader: _io.PieceReader, wher
         region = _layout.intersect(box, target) if box else ()
         if region is None:
             continue  # this rank does not need that piece: its bytes are never read
-        data = reader.read(piece["file"], piece["offset"], piece["nbytes"], piece["crc32"], where)
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        src = src.view(dtype).reshape([hi - lo for lo, hi in box])
-        out[_layout.slices(region, target)] = src[_layout.slices(region, box)]
-        filled += src[_layout.slices(region, box)].numel()
+        args = (piece["file"], piece["offset"], piece["nbytes"], piece["crc32"], where)
+        if box == target:  # the piece is exactly what this rank holds: read it in place
+            reader.read_into(*args, _io.host_bytes(out))
+            filled += out.numel()
+            continue
+        src = reader.read(*args).view(dtype).reshape([hi - lo for lo, hi in box])
+        part = src[_layout.slices(region, box)]
+        out[_layout.slices(region, target)] = part
+        filled += part.numel()
     if filled != out.numel():
         raise CheckpointError(f"{where}: the checkpoint's pieces cover {filled} of {out.numel()} elements")
     if isinstance(like, DTensor):

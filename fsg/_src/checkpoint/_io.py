@@ -82,7 +82,14 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Deletes a checkpoint directory so that no crash can leave it looking complete: it is
+    renamed to a ``.tmp`` name first (atomic), then deleted."""
+    if not path.exists():
+        return
+    doomed = path if path.name.endswith(".tmp") else path.with_name(path.name + ".deleted.tmp")
+    if doomed != path:
+        os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 class PieceReader:
@@ -92,7 +99,7 @@ class PieceReader:
         self.directory = directory
         self._files: dict[str, BinaryIO] = {}
 
-    def read(self, file: str, offset: int, nbytes: int, crc: int, where: str) -> bytes:
+    def _file(self, file: str, where: str) -> BinaryIO:
         f = self._files.get(file)
         if f is None:
             try:
@@ -102,19 +109,29 @@ class PieceReader:
                     f"{self.directory / file} is missing; it holds pieces of {where}. The checkpoint is "
                     f"incomplete: restore an earlier one."
                 ) from None
+        return f
+
+    def read_into(self, file: str, offset: int, nbytes: int, crc: int, where: str, buffer: memoryview) -> None:
+        """Reads a piece straight into ``buffer`` (``nbytes`` long), checking its checksum."""
+        f = self._file(file, where)
         f.seek(offset)
-        data = f.read(nbytes)
-        if len(data) != nbytes:
+        got = f.readinto(buffer) if nbytes else 0
+        if got != nbytes:
             raise CheckpointError(
                 f"{self.directory / file} is truncated: {where} needs bytes {offset}..{offset + nbytes} "
                 f"but the file ends first. Restore an earlier checkpoint."
             )
-        if zlib.crc32(data) != crc:
+        if zlib.crc32(buffer) != crc:
             raise CheckpointError(
                 f"{self.directory / file} is corrupt: the checksum of {where} (bytes {offset}..{offset + nbytes}) "
                 f"does not match. Restore an earlier checkpoint."
             )
-        return data
+
+    def read(self, file: str, offset: int, nbytes: int, crc: int, where: str) -> torch.Tensor:
+        """Reads a piece into a new uint8 tensor."""
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        self.read_into(file, offset, nbytes, crc, where, memoryview(out.numpy()))
+        return out
 
     def close(self) -> None:
         for f in self._files.values():

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from fsg._src.checkpoint import _checkpoint, _io
@@ -60,6 +61,7 @@ class CheckpointManager:
         _checkpoint._barrier(self._group)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: list = []  # pinned host buffers of the last snapshot (CUDA state)
 
     def step_dir(self, step: int) -> Path:
         """The directory of the checkpoint of ``step``."""
@@ -93,7 +95,7 @@ class CheckpointManager:
             return True
         # The only blocking part: a host snapshot, since training goes on updating the state
         # in place (donation) while the files are written.
-        snapshot = [(i, box, t.detach().to("cpu", copy=True)) for i, box, t in items]
+        snapshot = self._snapshot(items)
         self._thread = threading.Thread(
             target=self._write,
             args=(path, paths, leaves, snapshot, metadata),
@@ -102,6 +104,20 @@ class CheckpointManager:
         )
         self._thread.start()
         return True
+
+    def _snapshot(self, items: list) -> list:
+        """Host copies of the pieces. Device tensors go to pinned buffers kept across saves
+        (same shapes every time), copied asynchronously with one synchronize at the end."""
+        tensors = [t.detach() for _, _, t in items]
+        if not any(t.device.type == "cuda" for t in tensors):
+            return [(i, box, t.clone()) for (i, box, _), t in zip(items, tensors)]
+        shapes = [(t.shape, t.dtype) for t in tensors]
+        if [(b.shape, b.dtype) for b in self._buffers] != shapes:
+            self._buffers = [torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes]
+        for buffer, t in zip(self._buffers, tensors):
+            buffer.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        return [(i, box, b) for (i, box, _), b in zip(items, self._buffers)]
 
     def _write(self, path, paths, leaves, items, metadata) -> None:
         try:
