@@ -164,8 +164,8 @@ def main(argv=None) -> dict[str, float]:
     torch.manual_seed(args.seed)
     mesh = None
     if args.mesh:
-        info = fsg.distributed.initialize()
-        mesh = fsg.Mesh(parse_mesh(args.mesh))
+        info = fsg.distributed.initialize(backend="gloo" if args.device == "cpu" else None)
+        mesh = fsg.Mesh(parse_mesh(args.mesh), device_type=info.device.type)
         args.device = str(info.device)
     is_main = mesh is None or torch.distributed.get_rank() == 0
     log = print if is_main else (lambda *a, **k: None)

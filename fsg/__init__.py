@@ -14,6 +14,7 @@ from fsg._src.errors import MeshError as MeshError
 from fsg._src.errors import NonTensorLeafError as NonTensorLeafError
 from fsg._src.errors import RecompileError as RecompileError
 from fsg._src.errors import RecompileWarning as RecompileWarning
+from fsg._src.errors import ShardingFallbackWarning as ShardingFallbackWarning
 from fsg._src.errors import ShardingRuleError as ShardingRuleError
 from fsg._src.errors import StructureMismatchError as StructureMismatchError
 from fsg._src.errors import UnsupportedError as UnsupportedError
@@ -37,6 +38,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "P",
+    "ShardingFallbackWarning",
     "ShardingRuleError",
     "distributed",
     "sharding",

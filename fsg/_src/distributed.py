@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsg._src.errors import MeshError
+
 
 class ProcessInfo(NamedTuple):
     """Where this process sits in the job."""
@@ -23,7 +25,7 @@ def initialize(*, backend: str | None = None) -> ProcessInfo:
     """Initializes ``torch.distributed`` from the environment ``torchrun`` sets.
 
     Picks the device (``cuda:LOCAL_RANK`` when CUDA is available, else CPU) and the backend
-    (NCCL on CUDA, gloo on CPU), and registers a clean shutdown at exit. Without ``torchrun``
+    (NCCL on CUDA, gloo on CPU; ``backend="gloo"`` forces CPU), and registers a clean shutdown at exit. Without ``torchrun``
     (no ``WORLD_SIZE`` in the environment) it is a single process and nothing is initialized.
     Calling it again returns the same information.
 
@@ -37,6 +39,11 @@ def initialize(*, backend: str | None = None) -> ProcessInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        raise MeshError(
+            f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; launch at most "
+            f"that many processes per node (torchrun --nproc-per-node), or pass backend='gloo' to run on CPU"
+        )
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

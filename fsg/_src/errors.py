@@ -57,3 +57,7 @@ class ShardingRuleError(FsgError):
 
 class CheckpointError(FsgError):
     """A checkpoint that is missing, incomplete, corrupt, or does not match ``like=``."""
+
+
+class ShardingFallbackWarning(UserWarning):
+    """An op could not run on its inputs' placements and ran replicated (after gathers)."""

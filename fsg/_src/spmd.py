@@ -15,6 +15,7 @@ from the specs) under ``make_fx``, so DTensor's own sharding propagation emits
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from fsg._src import _torch_private, markers, purity, tree
-from fsg._src.errors import ShardingRuleError
+from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.mesh import Mesh
 from fsg._src.trace import TracedStep
 
@@ -119,12 +120,35 @@ class _Expander(fx.Interpreter):
             args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
             return super().call_function(target, args, kwargs)
-        except NotImplementedError as exc:
+        except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
             raise self._no_rule(target, exc) from exc
         except RuntimeError as exc:
-            if "sharding strategy" not in str(exc) and "sharding propagation" not in str(exc):
+            # DTensor has rules for the op but could not apply them to these placements (some
+            # torch releases refuse, e.g., to flatten a sharded dim). Gather the inputs and run
+            # it replicated: correct, at the price of the gathers, and said in a warning.
+            replicated = self._replicate_all((args, kwargs))
+            if replicated is None:
                 raise
-            raise self._no_rule(target, exc) from exc
+            try:
+                result = super().call_function(target, *replicated)
+            except Exception:
+                raise exc from None
+            where = purity.user_frame_of_node(self._node) if self._node is not None else "(unknown)"
+            warnings.warn(
+                f"fsg: op {target} at {where} could not run on its inputs' placements "
+                f"({str(exc).splitlines()[0][:160]}); its inputs were gathered and it ran replicated. "
+                f"Change the specs feeding it to avoid the extra collectives.",
+                ShardingFallbackWarning,
+                stacklevel=2,
+            )
+            return result
+
+    def _replicate_all(self, args_kwargs):
+        leaves, _ = tree.flatten(args_kwargs)
+        if not any(isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements) for a in leaves):
+            return None  # nothing to gather: the failure is not about placements
+        replicate = tuple(Replicate() for _ in self.plan.mesh.shape)
+        return tree.tree_map(lambda a: _redistribute(a, self.plan.mesh, replicate), args_kwargs)
 
     def _no_rule(self, target, exc: Exception) -> ShardingRuleError:
         where = purity.user_frame_of_node(self._node) if self._node is not None else "(source line unknown)"

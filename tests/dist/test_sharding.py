@@ -105,3 +105,9 @@ def test_indivisible_spec_names_the_leaf_and_sizes(ranks):
     message = ranks(4).run(workers.expect_error, {"dp": 4}, "indivisible")[0]
     assert message.startswith("MeshError")
     assert "shards dim 0 of params['0.bias'] (size 30) over ('dp',) (4 ways)" in message
+
+
+def test_an_op_whose_rule_refuses_its_placements_runs_replicated_with_a_warning(ranks):
+    messages = ranks(2).run(workers.check_fallback, {"dp": 2})[0]  # and matches unsharded
+    assert messages and "fsg_test.double.default" in messages[0]
+    assert "its inputs were gathered and it ran replicated" in messages[0]

@@ -193,3 +193,49 @@ def restore_onto(path: str, axes: dict | None, preset: str) -> tuple[dict, int]:
         _io.PieceReader.read = original
     state, _ = step(state, regression_batch(seed=9))  # and it trains on
     return _full_leaves(fsg.checkpoint.restore(path, like=like)), counted[0]
+
+
+# --- an op whose sharding rule refuses sharded inputs: the replicated fallback ----------
+
+
+@torch.library.custom_op("fsg_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+double.register_autograd(lambda ctx, grad: grad * 2)
+
+
+def _register_refusing_rule():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.fsg_test.double.default)
+    def _strategy(x):
+        if not all(isinstance(p, Replicate) for p in x.placements):
+            raise RuntimeError("fsg_test::double refuses sharded inputs")
+        return [([Replicate()], [Replicate()])]
+
+
+def check_fallback(axes: dict) -> list[str]:
+    import warnings
+
+    _register_refusing_rule()
+    model = mlp()
+
+    def loss_fn(params, batch):
+        out = torch.ops.fsg_test.double(fsg.apply(model, params, batch["x"]))
+        return ((out - batch["y"]) ** 2).mean()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsg.testing.assert_sharded_matches_unsharded(
+            loss_fn, fsg.params(model), [regression_batch(seed=i) for i in range(2)], fsg.testing.mesh(axes),
+            optimizer=fsg.optim.sgd(0.1),
+        )  # fmt: skip
+    return [str(w.message) for w in caught if issubclass(w.category, fsg.ShardingFallbackWarning)]

@@ -84,6 +84,8 @@ def write(
     rank, world = _rank_world(group)
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
+        if path.exists() and not _io.is_committed(path):
+            _io.remove(path)  # renamed but never committed: left by a crashed save
         if path.exists():
             raise CheckpointError(
                 f"{path} already exists; a checkpoint is never overwritten in place (a crash would lose "
