@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -63,28 +64,51 @@ class MultiRank:
         ]
         for p in self._procs:
             p.start()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank."""
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
+
+        If a rank fails, the others may be stuck in a collective that will never complete:
+        the pool waits a few seconds for them, then is shut down (``closed``) and the first
+        error is raised as ``RankError``. Start a new pool to go on.
+        """
+        if self._closed:
+            raise RuntimeError("this MultiRank pool was shut down after a failure; start a new one")
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
         errors = []
         for _ in range(self.world_size):
-            rank, ok, value = self._results.get(timeout=self.timeout)
+            try:
+                rank, ok, value = self._results.get(timeout=5.0 if errors else self.timeout)
+            except queue.Empty:
+                if not errors:
+                    errors.append((-1, f"no result within {self.timeout:.0f}s"))
+                break
             (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
         if errors:
+            self.close(wait=False)
             rank, message = min(errors)
             raise RankError(f"rank {rank} of {self.world_size} failed:\n{message}")
         return [out[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Stops the ranks (at once, with ``wait=False``)."""
+        if self._closed:
+            return
+        self._closed = True
         for q in self._tasks:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=30)
+            p.join(timeout=10 if wait else 0.5)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
         if os.path.exists(self._init_file):
             os.unlink(self._init_file)
 

@@ -1,0 +1,22 @@
+"""The multi-rank harness reports a rank's failure quickly, even if the others hang."""
+
+import time
+
+import pytest
+
+import fsg.testing
+from tests.dist import harness_workers
+
+
+def test_results_come_back_by_rank():
+    with fsg.testing.MultiRank(2) as ranks:
+        assert ranks.run(harness_workers.rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_failing_rank_is_reported_while_its_peer_hangs_in_a_collective():
+    ranks = fsg.testing.MultiRank(2, timeout=120)
+    t0 = time.perf_counter()
+    with pytest.raises(fsg.testing.RankError, match=r"rank 1 of 2 failed:\nValueError: rank 1 gives up"):
+        ranks.run(harness_workers.fail_on_rank_1)
+    assert time.perf_counter() - t0 < 60  # not the 120 s timeout: the hung peer is killed
+    assert ranks.closed
