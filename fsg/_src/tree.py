@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsg._src.errors import NonTensorLeafError
 
@@ -56,19 +57,22 @@ def check_tensor_leaves(tree: Any, root: str) -> None:
 class LeafSpec(NamedTuple):
     """The abstract value of one tensor leaf: what a compiled step is specialized on."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global shape, for a DTensor
     dtype: torch.dtype
     device: torch.device
+    placements: tuple = ()  # a DTensor's placements; () for a plain tensor
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> LeafSpec:
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+        placements = tuple(tensor.placements) if isinstance(tensor, DTensor) else ()
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, placements)
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         dims = ",".join(map(str, self.shape))
         where = "" if self.device.type == "cpu" else f"@{self.device}"
-        return f"{dtype}[{dims}]{where}"
+        placed = f"({', '.join(map(str, self.placements))})" if self.placements else ""
+        return f"{dtype}[{dims}]{where}{placed}"
 
 
 def leaf_specs(leaves: list[torch.Tensor]) -> tuple[LeafSpec, ...]:

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import fsg
-from fsg._src.serialization import from_msgpack, to_msgpack
 
 OPTIMIZERS = {
     "sgd": lambda: fsg.optim.sgd(0.1),
@@ -80,13 +79,14 @@ def test_compiles_once_and_replays(make_opt):
     assert int(state.step) == 3
 
 
-def test_state_survives_a_msgpack_round_trip(make_opt):
+def test_state_survives_a_msgpack_checkpoint_round_trip(make_opt, tmp_path):
     opt = make_opt()
     params, loss_fn = quadratic_problem()
     state = opt.init(params)
     grads = torch.func.grad(loss_fn)(params, {"scale": torch.ones(1)})
     _, state = opt.update(grads, state, params)
-    restored = from_msgpack(state, to_msgpack(state))
+    fsg.checkpoint.save(tmp_path / "opt", state)
+    restored = fsg.checkpoint.restore(tmp_path / "opt", like=opt.init(params))
     leaves, leaves_back = fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(restored)[0]
     assert len(leaves) == len(leaves_back)
     for a, b in zip(leaves, leaves_back):

@@ -21,7 +21,6 @@ import fsg
 from fsg._src import tree
 from fsg._src.checkpoint import _io, _layout
 from fsg._src.errors import CheckpointError
-from fsg._src.serialization import DTYPES
 
 FORMAT, VERSION = "fsg-checkpoint", 1
 ROOT = "state"
@@ -195,7 +194,7 @@ def _check_like(entry: dict, like: Any, where: str) -> None:
 
 def _restore_leaf(entry: dict, like: torch.Tensor, reader: _io.PieceReader, where: str) -> torch.Tensor:
     target = _layout.local_piece(like).box if isinstance(like, DTensor) else _layout.full_box(tuple(like.shape))
-    dtype = DTYPES[entry["dtype"]]
+    dtype = _io.DTYPES[entry["dtype"]]
     out = torch.empty([hi - lo for lo, hi in target], dtype=dtype)
     filled = 0
     for piece in entry["pieces"]:

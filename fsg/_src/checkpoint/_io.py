@@ -13,6 +13,13 @@ import torch
 
 from fsg._src.errors import CheckpointError
 
+# Every dtype a checkpoint holds, by the name it is stored under.
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)}  # fmt: skip
+
 COMMIT = "COMMIT"
 META = "meta.msgpack"
 _BIN32 = b"\xc6"  # msgpack bin 32: one type byte, a 4-byte big-endian length, the bytes
