@@ -197,7 +197,12 @@ def expand(
             local_outputs.append(out.to_local() if isinstance(out, DTensor) else out)
         return tuple(local_outputs)
 
-    return _torch_private.trace_fake(local_step, *local_inputs)
+    gm = _torch_private.trace_fake(local_step, *local_inputs)
+    # A failed first attempt of an op (before the replicated fallback) can leave a dead,
+    # ill-shaped node in the trace; in-place writes (donation's copy_) are kept as impure.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 class Collective(NamedTuple):
