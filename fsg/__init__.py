@@ -23,6 +23,7 @@ from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
+from fsg._src.precision import Policy as Policy
 from fsg._src.stages import Cost as Cost
 from fsg._src.stages import Lowered as Lowered
 from fsg._src.step import Step as Step
@@ -38,6 +39,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "P",
+    "Policy",
     "ShardingFallbackWarning",
     "ShardingRuleError",
     "distributed",

@@ -23,6 +23,7 @@ from fsg._src import trace as trace_lib
 from fsg._src.errors import RecompileError, RecompileWarning, ShardingRuleError, StructureMismatchError
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
+from fsg._src.precision import Policy
 from fsg._src.sharding import Rules
 from fsg._src.stages import Lowered
 from fsg._src.train_state import TrainState
@@ -89,8 +90,10 @@ class Step:
         mesh: Mesh | None = None,
         param_sharding: Rules | None = None,
         batch_sharding: P | None = None,
+        precision: Policy | None = None,
     ):
         backend_lib.check_backend(backend)
+        self._precision = precision or Policy()
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
         if batch_sharding is None:
@@ -130,7 +133,7 @@ class Step:
           follows its parameter; scalars are replicated), and each rank holds only its shards.
         """
         tree.check_tensor_leaves(params, "params")
-        params = tree.tree_map(lambda p: p.detach().clone(), params)
+        params = self._precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
         buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
         tree.check_tensor_leaves(buffers, "buffers")
         if self._mesh is not None:
@@ -168,7 +171,9 @@ class Step:
     def _build(self, state: Any, batch: Any) -> _Compiled:
         """Stages 1 (trace) and 2 (shard, on a mesh) for this state and batch."""
         if self._mesh is None:
-            traced = trace_lib.trace(self._loss_fn, self._optimizer, state, batch, donate=self._donate)
+            traced = trace_lib.trace(
+                self._loss_fn, self._optimizer, state, batch, donate=self._donate, precision=self._precision
+            )
             return _Compiled(traced, traced.graph_module, None, None)
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
         state_leaves, state_def = tree.flatten(state)
@@ -187,6 +192,7 @@ class Step:
                 tree.unflatten(state_def, fakes[:n]),
                 tree.unflatten(batch_def, fakes[n:]),
                 donate=self._donate,
+                precision=self._precision,
                 keep_markers=True,
             )
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
@@ -282,6 +288,7 @@ def compile_step(
     optimizer: GradientTransformation,
     param_sharding: Rules | None = None,
     batch_sharding: P | None = None,
+    precision: Policy | None = None,
     backend: str = "inductor",
     donate: bool = True,
     strict: bool = False,
@@ -306,6 +313,8 @@ def compile_step(
       batch_sharding: the spec of every batch leaf; default ``P("dp")`` (dim 0 over the
         ``dp`` axis) when the mesh has a ``dp`` axis. The axes it names are the data axes.
         Pass batches as global tensors (each rank keeps its slice) or as DTensors.
+      precision: an ``fsg.Policy``: the dtype params and optimizer state live in, and the
+        dtype the loss computes in (default: float32 for both).
       backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
       donate: update the state in place (no second copy of params and optimizer state);
         the state passed in is returned, updated.
@@ -335,4 +344,5 @@ def compile_step(
         mesh=mesh,
         param_sharding=param_sharding,
         batch_sharding=batch_sharding,
+        precision=precision,
     )

@@ -19,6 +19,7 @@ from fsg._src import _torch_private, markers, purity, tree
 from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
+from fsg._src.precision import Policy
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
@@ -55,7 +56,11 @@ def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[
 
 
 def train_step(
-    loss_fn: LossFn, optimizer: GradientTransformation, state: TrainState, batch: Any
+    loss_fn: LossFn,
+    optimizer: GradientTransformation,
+    state: TrainState,
+    batch: Any,
+    precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One train step as a pure function of tensors: what stage 1 traces.
 
@@ -68,9 +73,10 @@ def train_step(
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
     inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
     with torch.enable_grad():
-        # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP).
-        used = [markers.param_use(p, i) if p.requires_grad else p for i, p in enumerate(inputs)]
-        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), batch, state.buffers)
+        # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
+        # after the cast to the compute dtype, so that gathers move the smaller dtype.
+        used = [markers.param_use(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
+        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), state.buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         raw = torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ()
     raw_iter = iter(raw)
@@ -106,6 +112,7 @@ def trace(
     batch: Any,
     *,
     donate: bool,
+    precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
     keep_markers: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
@@ -121,7 +128,11 @@ def trace(
     def flat_step(*flat):
         old_leaves = flat[:n_state]
         new_state, metrics = train_step(
-            loss_fn, optimizer, tree.unflatten(state_def, old_leaves), tree.unflatten(batch_def, flat[n_state:])
+            loss_fn,
+            optimizer,
+            tree.unflatten(state_def, old_leaves),
+            tree.unflatten(batch_def, flat[n_state:]),
+            precision,
         )
         new_leaves, new_def = tree.flatten(new_state)
         if new_def != state_def:

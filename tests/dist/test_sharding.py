@@ -111,3 +111,10 @@ def test_an_op_whose_rule_refuses_its_placements_runs_replicated_with_a_warning(
     messages = ranks(2).run(workers.check_fallback, {"dp": 2})[0]  # and matches unsharded
     assert messages and "fsg_test.double.default" in messages[0]
     assert "its inputs were gathered and it ran replicated" in messages[0]
+
+
+def test_fsdp_with_bf16_compute_gathers_half_the_bytes(ranks):
+    gathered32, local = ranks(2).run(workers.fsdp_gather_bytes, {"dp": 2}, "float32")[0]
+    gathered16, _ = ranks(2).run(workers.fsdp_gather_bytes, {"dp": 2}, "bfloat16")[0]
+    assert gathered32 == local  # float32 shards
+    assert gathered16 * 2 == local  # cast to bf16 before the all-gather

@@ -239,3 +239,21 @@ def check_fallback(axes: dict) -> list[str]:
             optimizer=fsg.optim.sgd(0.1),
         )  # fmt: skip
     return [str(w.message) for w in caught if issubclass(w.category, fsg.ShardingFallbackWarning)]
+
+
+def fsdp_gather_bytes(axes: dict, compute: str) -> tuple[int, int]:
+    """All-gathered bytes of one FSDP step with the given compute dtype, and the local
+    float32 parameter bytes."""
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    policy = fsg.Policy(param=torch.float32, compute=getattr(torch, compute))
+    step = fsg.compile_step(
+        mse_loss_fn(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+        param_sharding=fsg.sharding.fsdp("dp"), precision=policy, backend="aot_eager",
+    )  # fmt: skip
+    state = step.init(fsg.params(model))
+    rows = step.lower(state, regression_batch(n=16)).collectives()
+    gathered = sum(r.bytes for r in rows if r.kind == "all_gather_into_tensor")
+    local = sum(p.to_local().numel() * p.to_local().element_size() for p in state.params.values())
+    state, metrics = step(state, regression_batch(n=16))
+    assert torch.isfinite(metrics["loss"])
+    return gathered, local
