@@ -5,6 +5,7 @@ from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
 from fsg import sharding as sharding
+from fsg._src.errors import BatchError as BatchError
 from fsg._src.errors import CheckpointError as CheckpointError
 from fsg._src.errors import FsgError as FsgError
 from fsg._src.errors import HostSyncError as HostSyncError
@@ -33,6 +34,7 @@ from fsg._src.train_state import TrainState as TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
     "CheckpointError",
     "checkpoint",
     "Cost",

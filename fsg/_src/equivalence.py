@@ -30,11 +30,13 @@ def assert_sharded_matches_unsharded(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     backend: str = "aot_eager",
+    **step_options: Any,
 ) -> None:
     """Runs the step sharded on ``mesh`` and unsharded, batch by batch, and asserts that the
     losses, parameters and optimizer state agree within ``rtol``/``atol`` after every step.
 
     Call it on every rank (e.g. under ``torchrun`` or ``fsg.testing.MultiRank``).
+    ``step_options`` (``precision=``, ``accum_steps=``) go to both ``compile_step`` calls.
 
     Raises:
       AssertionError naming the step, the leaf path and the largest difference.

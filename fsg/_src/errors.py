@@ -27,6 +27,10 @@ class HostSyncError(FsgError):
     """``loss_fn`` needs a value on the host while tracing (``.item()``, ``if tensor:``...)."""
 
 
+class BatchError(FsgError, ValueError):
+    """A batch that the step cannot use as configured (e.g. not divisible by ``accum_steps``)."""
+
+
 class StructureMismatchError(FsgError, ValueError):
     """A state or batch pytree does not have the structure the step was compiled for."""
 

@@ -91,9 +91,11 @@ class Step:
         param_sharding: Rules | None = None,
         batch_sharding: P | None = None,
         precision: Policy | None = None,
+        accum_steps: int = 1,
     ):
         backend_lib.check_backend(backend)
         self._precision = precision or Policy()
+        self._accum_steps = accum_steps
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
         if batch_sharding is None:
@@ -172,7 +174,13 @@ class Step:
         """Stages 1 (trace) and 2 (shard, on a mesh) for this state and batch."""
         if self._mesh is None:
             traced = trace_lib.trace(
-                self._loss_fn, self._optimizer, state, batch, donate=self._donate, precision=self._precision
+                self._loss_fn,
+                self._optimizer,
+                state,
+                batch,
+                donate=self._donate,
+                precision=self._precision,
+                accum_steps=self._accum_steps,
             )
             return _Compiled(traced, traced.graph_module, None, None)
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
@@ -193,6 +201,7 @@ class Step:
                 tree.unflatten(batch_def, fakes[n:]),
                 donate=self._donate,
                 precision=self._precision,
+                accum_steps=self._accum_steps,
                 keep_markers=True,
             )
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
@@ -289,6 +298,7 @@ def compile_step(
     param_sharding: Rules | None = None,
     batch_sharding: P | None = None,
     precision: Policy | None = None,
+    accum_steps: int = 1,
     backend: str = "inductor",
     donate: bool = True,
     strict: bool = False,
@@ -315,6 +325,8 @@ def compile_step(
         Pass batches as global tensors (each rank keeps its slice) or as DTensors.
       precision: an ``fsg.Policy``: the dtype params and optimizer state live in, and the
         dtype the loss computes in (default: float32 for both).
+      accum_steps: split each batch into this many microbatches along dim 0 and average
+        their gradients, loss and aux in the one graph (gradient accumulation).
       backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
       donate: update the state in place (no second copy of params and optimizer state);
         the state passed in is returned, updated.
@@ -345,4 +357,5 @@ def compile_step(
         param_sharding=param_sharding,
         batch_sharding=batch_sharding,
         precision=precision,
+        accum_steps=accum_steps,
     )

@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private, markers, purity, tree
-from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
+from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
@@ -55,34 +55,76 @@ def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[
     return loss, aux
 
 
+def microbatches(batch: Any, accum_steps: int) -> list[Any]:
+    """``batch`` split into ``accum_steps`` microbatches along dim 0.
+
+    Microbatch j takes rows j, j + k, j + 2k, ... (k = ``accum_steps``), written as a view
+    ``[B/k, k, ...]`` and a select: each rank's contiguous rows of a batch sharded on dim 0
+    stay on that rank, so splitting moves no data.
+    """
+    if accum_steps == 1:
+        return [batch]
+    return [tree.tree_map(lambda x, j=j: x.unflatten(0, (x.shape[0] // accum_steps, accum_steps)).select(1, j), batch)
+            for j in range(accum_steps)]  # fmt: skip
+
+
+def check_accumulation(batch: Any, accum_steps: int) -> None:
+    """Raises ``BatchError`` naming a batch leaf whose dim 0 ``accum_steps`` does not divide."""
+    if accum_steps < 1:
+        raise BatchError(f"accum_steps must be at least 1, got {accum_steps}")
+    leaves, _ = tree.flatten(batch)
+    for path, leaf in zip(tree.leaf_paths(batch, "batch"), leaves):
+        if leaf.dim() == 0 or leaf.shape[0] % accum_steps:
+            rows = "a 0-d tensor" if leaf.dim() == 0 else f"{leaf.shape[0]} rows"
+            raise BatchError(
+                f"{path} has {rows}, which accum_steps={accum_steps} cannot split into equal "
+                f"microbatches along dim 0; make the batch size a multiple of accum_steps"
+            )
+
+
+def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision):
+    with torch.enable_grad():
+        # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
+        # after the cast to the compute dtype, so that gathers move the smaller dtype.
+        used = [markers.param_use(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
+        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
+        differentiable = [p for p in inputs if p.requires_grad]
+        raw = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
+    return loss, aux, [next(raw) if p.requires_grad else None for p in inputs]
+
+
 def train_step(
     loss_fn: LossFn,
     optimizer: GradientTransformation,
     state: TrainState,
     batch: Any,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
+    accum_steps: int = 1,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One train step as a pure function of tensors: what stage 1 traces.
 
     Returns the new state and the metrics (``loss``, ``grad_norm``, ``lr`` when the optimizer
-    has a learning rate, and the aux outputs of ``loss_fn``).
+    has a learning rate, and the aux outputs of ``loss_fn``). With ``accum_steps`` > 1 the
+    gradients, loss and aux are means over that many microbatches.
     """
 
     param_leaves, params_def = tree.flatten(state.params)
     # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
     inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
-    with torch.enable_grad():
-        # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
-        # after the cast to the compute dtype, so that gathers move the smaller dtype.
-        used = [markers.param_use(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
-        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), state.buffers)
-        differentiable = [p for p in inputs if p.requires_grad]
-        raw = torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ()
-    raw_iter = iter(raw)
+    micro = microbatches(batch, accum_steps)
+    loss, aux, sums = None, {}, [None] * len(inputs)
+    for mb in micro:  # unrolled: each microbatch's activations die after its backward
+        mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, state.buffers, precision)
+        loss = mb_loss.float() if loss is None else loss + mb_loss.float()
+        aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
+        sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
+    if accum_steps > 1:  # the mean over microbatches, as the loss over the whole batch
+        loss = loss / accum_steps
+        aux = {k: v / accum_steps for k, v in aux.items()}
+        sums = [None if g is None else g / accum_steps for g in sums]
     grad_leaves = []
-    for i, p in enumerate(inputs):
-        g = next(raw_iter) if p.requires_grad else None
+    for i, (p, g) in enumerate(zip(inputs, sums)):
         g = torch.zeros_like(p) if g is None else g
         # Mark each gradient: stage 2 constrains it to its parameter's placement (rule 2).
         grad_leaves.append(markers.grad(g, i))
@@ -113,6 +155,7 @@ def trace(
     *,
     donate: bool,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
+    accum_steps: int = 1,
     keep_markers: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
@@ -120,6 +163,7 @@ def trace(
     ``keep_markers`` keeps the ``fsg::param_use`` / ``fsg::grad`` marker nodes that stage 2
     needs; otherwise (one device) they are removed.
     """
+    check_accumulation(batch, accum_steps)
     state_leaves, state_def = tree.flatten(state)
     batch_leaves, batch_def = tree.flatten(batch)
     n_state = len(state_leaves)
@@ -133,6 +177,7 @@ def trace(
             tree.unflatten(state_def, old_leaves),
             tree.unflatten(batch_def, flat[n_state:]),
             precision,
+            accum_steps,
         )
         new_leaves, new_def = tree.flatten(new_state)
         if new_def != state_def:

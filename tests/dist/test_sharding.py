@@ -118,3 +118,9 @@ def test_fsdp_with_bf16_compute_gathers_half_the_bytes(ranks):
     gathered16, _ = ranks(2).run(workers.fsdp_gather_bytes, {"dp": 2}, "bfloat16")[0]
     assert gathered32 == local  # float32 shards
     assert gathered16 * 2 == local  # cast to bf16 before the all-gather
+
+
+def test_gradient_accumulation_on_a_mesh_matches_and_moves_no_batch_data(ranks):
+    kinds = ranks(2).run(workers.check_accumulation, {"dp": 2}, "dp")[0]
+    assert kinds == ["all_reduce"]  # splitting the sharded batch into microbatches is local
+    ranks(2).run(workers.check_accumulation, {"dp": 2}, "fsdp")

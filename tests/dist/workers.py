@@ -257,3 +257,19 @@ def fsdp_gather_bytes(axes: dict, compute: str) -> tuple[int, int]:
     state, metrics = step(state, regression_batch(n=16))
     assert torch.isfinite(metrics["loss"])
     return gathered, local
+
+
+def check_accumulation(axes: dict, preset: str) -> list[str]:
+    """Sharded == unsharded with accum_steps=2; returns the collective kinds of the step."""
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    rules = fsg.sharding.fsdp("dp") if preset == "fsdp" else fsg.sharding.data_parallel()
+    batches = [regression_batch(n=16, seed=i) for i in range(2)]
+    fsg.testing.assert_sharded_matches_unsharded(
+        mse_loss_fn(model), fsg.params(model), batches, fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2), param_sharding=rules, accum_steps=2,
+    )  # fmt: skip
+    step = fsg.compile_step(
+        mse_loss_fn(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
+        accum_steps=2, backend="aot_eager",
+    )  # fmt: skip
+    return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
