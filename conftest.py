@@ -1,12 +1,19 @@
 """Shared pytest set-up: the doctest namespace and the hypothesis profiles."""
 
 import os
+from pathlib import Path
 
-import pytest
-import torch
-from hypothesis import settings
+# Triton kernels run in Triton's CPU interpreter when there is no GPU. The variable must be set
+# before triton (imported by torch) decorates its own library functions, so nothing may import
+# torch or fsg before this line (hence no fsg warning filter in pyproject.toml: see below).
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import fsg
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+import fsg  # noqa: E402
 
 # A deterministic profile for CI (chosen by FSG_HYPOTHESIS_PROFILE, "ci" by default) and a
 # wider one for local exploration.
@@ -19,3 +26,9 @@ settings.load_profile(os.environ.get("FSG_HYPOTHESIS_PROFILE", "ci"))
 def _doctest_names(doctest_namespace):
     doctest_namespace["fsg"] = fsg
     doctest_namespace["torch"] = torch
+
+
+def pytest_configure(config):
+    # An unexpected recompile is a test failure (set here, after TRITON_INTERPRET, since the
+    # ini filter would import fsg, and so torch and triton, before this file runs).
+    config.addinivalue_line("filterwarnings", "error::fsg.RecompileWarning")

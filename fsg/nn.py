@@ -1,5 +1,6 @@
 """Functional layers and losses."""
 
+from fsg._src.kernels.rms_norm import rms_norm as rms_norm
 from fsg._src.losses import cross_entropy as cross_entropy
 
-__all__ = ["cross_entropy"]
+__all__ = ["cross_entropy", "rms_norm"]

@@ -1,0 +1,159 @@
+"""RMSNorm forward and backward: Triton kernels, launchers, the registered op, its reference.
+
+Shape legend: M rows (every leading dim flattened), N the normalized width.
+y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), computed in float32 whatever the
+input dtype. One program normalizes one row; the backward writes dx per row and a per-row
+partial of dw (float32) that one torch reduction sums.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    tl.store(y_ptr + row * N + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_rows_ptr, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    xhat = x * rstd
+    dxhat = dy * w
+    dx = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / N))
+    tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_rows_ptr + row * N + cols, dy * xhat, mask=mask)
+
+
+# --- host launchers: write into given outputs (the tests poison them first) ---------------
+
+
+def launch_fwd(x_MN: torch.Tensor, w: torch.Tensor, y_MN: torch.Tensor, rstd_M: torch.Tensor, eps: float) -> None:
+    M, N = x_MN.shape
+    _rms_norm_fwd_kernel[(M,)](x_MN, w, y_MN, rstd_M, N, eps, BLOCK=_block(N))
+
+
+def launch_bwd(dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN) -> None:
+    M, N = x_MN.shape
+    _rms_norm_bwd_kernel[(M,)](dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN, N, BLOCK=_block(N))
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    # On CPU the eager reference runs, unless Triton's interpreter is on (the CPU tests).
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+# --- eager reference (tests and benchmarks import it) -----------------------------------
+
+
+def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)`` in plain torch, float32 math: the definition the kernels are held to."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+    return (x32 * rstd[..., None] * w.float()).to(x.dtype), rstd
+
+
+def rms_norm_backward_reference(dy, x, w, rstd) -> tuple[torch.Tensor, torch.Tensor]:
+    x32, dy32, w32 = x.float(), dy.float(), w.float()
+    xhat = x32 * rstd[..., None]
+    dxhat = dy32 * w32
+    dx = rstd[..., None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    dw = (dy32 * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(w.dtype)
+
+
+# --- registered ops: one opaque node each in a traced graph ------------------------------
+# torch.library.custom_op rather than triton_op: Inductor and AOTAutograd trace *into* a
+# triton_op's body, which Triton's CPU interpreter cannot follow; an opaque op is one node for
+# make_fx, AOTAutograd and Inductor alike, with its fake and autograd registered below.
+
+
+@torch.library.custom_op("fsg::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(x):
+        return rms_norm_reference(x, w, eps)
+    x_MN = x.reshape(-1, x.shape[-1]).contiguous()
+    M, N = x_MN.shape
+    y_MN = torch.empty_like(x_MN)
+    rstd_M = torch.empty(M, dtype=torch.float32, device=x.device)
+    launch_fwd(x_MN, w.contiguous(), y_MN, rstd_M, eps)
+    return y_MN.reshape(x.shape), rstd_M.reshape(x.shape[:-1])
+
+
+@torch.library.custom_op("fsg::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _use_triton(x):
+        return rms_norm_backward_reference(dy, x, w, rstd)
+    x_MN = x.reshape(-1, x.shape[-1]).contiguous()
+    M, N = x_MN.shape
+    dx_MN = torch.empty_like(x_MN)
+    dw_rows_MN = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    launch_bwd(dy.reshape(M, N).contiguous(), x_MN, w.contiguous(), rstd.reshape(M).contiguous(), dx_MN, dw_rows_MN)
+    return dx_MN.reshape(x.shape), dw_rows_MN.sum(0).to(w.dtype)
+
+
+@rms_norm_fwd.register_fake
+def _(x, w, eps):
+    return torch.empty_like(x), torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+
+
+@rms_norm_bwd.register_fake
+def _(dy, x, w, rstd):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, _ = inputs
+    _, rstd = output
+    ctx.save_for_backward(x, w, rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    x, w, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(dy, x, w, rstd)
+    return dx, dw, None
+
+
+rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- functional API ---------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean(x**2) + eps) * weight``, statistics in float32.
+
+    Forward and backward are fused Triton kernels on CUDA (one registered op each, a single
+    node in a traced step); on CPU the eager reference runs.
+
+    Example:
+      >>> fsg.nn.rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), eps=0.0)
+      tensor([[0.8485, 1.1314]])
+    """
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
+        raise ValueError(f"rms_norm: weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
+    return rms_norm_fwd(x, weight, eps)[0]
