@@ -8,11 +8,11 @@ partial of dw (float32) that one torch reduction sums.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from fsg._src.kernels._common import row_block, use_triton
 
 
 @triton.jit
@@ -48,21 +48,12 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_rows_ptr, N,
 
 def launch_fwd(x_MN: torch.Tensor, w: torch.Tensor, y_MN: torch.Tensor, rstd_M: torch.Tensor, eps: float) -> None:
     M, N = x_MN.shape
-    _rms_norm_fwd_kernel[(M,)](x_MN, w, y_MN, rstd_M, N, eps, BLOCK=_block(N))
+    _rms_norm_fwd_kernel[(M,)](x_MN, w, y_MN, rstd_M, N, eps, BLOCK=row_block(N))
 
 
 def launch_bwd(dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN) -> None:
     M, N = x_MN.shape
-    _rms_norm_bwd_kernel[(M,)](dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN, N, BLOCK=_block(N))
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    # On CPU the eager reference runs, unless Triton's interpreter is on (the CPU tests).
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _block(n: int) -> int:
-    return triton.next_power_of_2(n)
+    _rms_norm_bwd_kernel[(M,)](dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN, N, BLOCK=row_block(N))
 
 
 # --- eager reference (tests and benchmarks import it) -----------------------------------
@@ -92,7 +83,7 @@ def rms_norm_backward_reference(dy, x, w, rstd) -> tuple[torch.Tensor, torch.Ten
 
 @torch.library.custom_op("fsg::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _use_triton(x):
+    if not use_triton(x):
         return rms_norm_reference(x, w, eps)
     x_MN = x.reshape(-1, x.shape[-1]).contiguous()
     M, N = x_MN.shape
@@ -106,7 +97,7 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Te
 def rms_norm_bwd(
     dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _use_triton(x):
+    if not use_triton(x):
         return rms_norm_backward_reference(dy, x, w, rstd)
     x_MN = x.reshape(-1, x.shape[-1]).contiguous()
     M, N = x_MN.shape
