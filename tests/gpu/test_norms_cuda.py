@@ -8,13 +8,10 @@ import pytest
 import torch
 
 from fsg._src.kernels import rms_norm as K
+from tests.helpers import rel_err as rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,25 +3,16 @@
 float32 only on CPU (the interpreter is wrong for bf16); tolerance 1e-5 relative.
 """
 
-import os
-
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fsg
 from fsg._src.kernels import layer_norm as K
+from tests.kernels.common import KERNEL, needs_triton, rel
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-    reason="CPU runs need TRITON_INTERPRET=1 (the root conftest sets it without a GPU)",
-)
-KERNEL = settings(max_examples=10, deadline=None)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+pytestmark = needs_triton
 
 
 @KERNEL
