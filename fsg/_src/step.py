@@ -17,10 +17,16 @@ import optree
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, placement, purity, spmd, tree
+from fsg._src import _torch_private, fusion, markers, placement, purity, spmd, tree
 from fsg._src import backend as backend_lib
 from fsg._src import trace as trace_lib
-from fsg._src.errors import RecompileError, RecompileWarning, ShardingRuleError, StructureMismatchError
+from fsg._src.errors import (
+    RecompileError,
+    RecompileWarning,
+    ShardingRuleError,
+    StructureMismatchError,
+    UnsupportedError,
+)
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.precision import Policy
@@ -92,8 +98,15 @@ class Step:
         batch_sharding: P | None = None,
         precision: Policy | None = None,
         accum_steps: int = 1,
+        fused_optimizer: bool | None = None,
     ):
         backend_lib.check_backend(backend)
+        if fused_optimizer and mesh is not None and mesh.size > 1:
+            raise UnsupportedError(
+                "fused_optimizer=True on a mesh is not supported yet (the fused AdamW runs on one "
+                "device); leave it at None and the traced update is sharded and compiled instead"
+            )
+        self._fused_optimizer = fused_optimizer
         self._precision = precision or Policy()
         self._accum_steps = accum_steps
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
@@ -173,6 +186,7 @@ class Step:
     def _build(self, state: Any, batch: Any) -> _Compiled:
         """Stages 1 (trace) and 2 (shard, on a mesh) for this state and batch."""
         if self._mesh is None:
+            fuse = self._fuse_optimizer(state)
             traced = trace_lib.trace(
                 self._loss_fn,
                 self._optimizer,
@@ -181,7 +195,11 @@ class Step:
                 donate=self._donate,
                 precision=self._precision,
                 accum_steps=self._accum_steps,
+                keep_markers=fuse,
             )
+            if fuse:  # stage 3: the fused AdamW kernel replaces the traced update
+                fusion.fuse_adamw(traced.graph_module, state, self._optimizer)
+                markers.strip(traced.graph_module)
             return _Compiled(traced, traced.graph_module, None, None)
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
         state_leaves, state_def = tree.flatten(state)
@@ -221,6 +239,16 @@ class Step:
                 raise
             raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
         return _Compiled(traced, local, None, plan)
+
+    def _fuse_optimizer(self, state: Any) -> bool:
+        """Whether stage 3 swaps in the fused AdamW kernel: by default on CUDA whenever it
+        applies; ``fused_optimizer=True`` insists (and says why it cannot), ``False`` never."""
+        if self._fused_optimizer is False:
+            return False
+        reason = fusion.why_not_fusable(self._optimizer, state, donate=self._donate)
+        if self._fused_optimizer and reason is not None:
+            raise UnsupportedError(f"fused_optimizer=True, but {reason}; pass fused_optimizer=None or False")
+        return reason is None and (self._fused_optimizer or state.step.is_cuda)
 
     def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:
         if self._last_signature is not None:
@@ -302,6 +330,7 @@ def compile_step(
     backend: str = "inductor",
     donate: bool = True,
     strict: bool = False,
+    fused_optimizer: bool | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -331,6 +360,11 @@ def compile_step(
       donate: update the state in place (no second copy of params and optimizer state);
         the state passed in is returned, updated.
       strict: raise ``RecompileError`` instead of recompiling when the signature changes.
+      fused_optimizer: replace the traced ``fsg.optim.adamw`` update by the fused Triton
+        kernel (one launch per dtype group, in place). ``None`` (default): on CUDA, on one
+        device, when the optimizer is ``adamw`` and ``donate=True``; ``True``: always (also
+        on CPU, under ``TRITON_INTERPRET=1`` or via its eager reference), raising if it
+        cannot; ``False``: never.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -358,4 +392,5 @@ def compile_step(
         batch_sharding=batch_sharding,
         precision=precision,
         accum_steps=accum_steps,
+        fused_optimizer=fused_optimizer,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fsg._src import fusion
 from fsg._src.optim._base import GradientTransformation, chain
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import (
@@ -64,11 +65,13 @@ def adamw(
     Example:
       >>> opt = fsg.optim.adamw(fsg.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
     """
-    return chain(
+    transformation = chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps),
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
+    # compile_step may replace this traced math by the fused kernel (fsg/_src/fusion.py).
+    return fusion.register_adamw(transformation, fusion.AdamWSpec(b1, b2, eps, weight_decay, mask))
 
 
 def lion(

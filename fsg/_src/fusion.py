@@ -1,0 +1,121 @@
+"""Stage 3 graph pass: substitute the fused AdamW kernel for the traced optimizer update.
+
+Stage 1 traces ``fsg.optim.adamw`` as plain tensor math (the reference). On CUDA this pass
+finds, by dataflow, where that math starts (the ``fsg::grad`` markers) and where it ends (the
+donation ``copy_`` of each new param, first and second moment into its state storage),
+inserts one ``fsg::fused_adamw_`` node that updates those storages in place, and deletes the
+copies; dead-code elimination then removes the traced math. The new update count and
+learning rate stay in the graph (the kernel reads them on the device), so schedules and bias
+correction need no host sync.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+
+from fsg._src import markers, tree
+from fsg._src.errors import UnsupportedError
+from fsg._src.kernels import adamw as adamw_kernel  # noqa: F401 - registers fsg::fused_adamw_
+
+FUSED_ADAMW = torch.ops.fsg.fused_adamw_.default
+_COPY = torch.ops.aten.copy_.default
+_FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AdamWSpec(NamedTuple):
+    """The hyperparameters of an ``fsg.optim.adamw`` transformation."""
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    mask: Any
+
+
+_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_adamw(transformation: Any, spec: AdamWSpec) -> Any:
+    """Marks ``transformation`` (built by ``fsg.optim.adamw``) as fusable; returns it."""
+    _SPECS[transformation.update] = spec
+    return transformation
+
+
+def adamw_spec(optimizer: Any) -> AdamWSpec | None:
+    """The spec of an ``fsg.optim.adamw`` optimizer; ``None`` for any other."""
+    return _SPECS.get(optimizer.update)
+
+
+def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
+    """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
+    (``None`` when it can)."""
+    if adamw_spec(optimizer) is None:
+        return "the optimizer is not fsg.optim.adamw (a chain around it is traced as math)"
+    if not donate:
+        return "donate=False (the fused kernel updates the state in place)"
+    leaves, state_def = tree.flatten(state)
+    index = tree.unflatten(state_def, list(range(len(leaves))))
+    adam = index.opt_state[0]
+    names = tree.leaf_paths(state.params, "state.params")
+    for name, i, m, v in zip(names, *(tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))):
+        for t in (leaves[i], leaves[m], leaves[v]):
+            if t.dtype not in _FUSABLE_DTYPES:
+                return f"{name} has dtype {t.dtype} (the kernel takes float32, bfloat16, float16)"
+            if not t.is_contiguous():
+                return f"{name} (or its optimizer state) is not contiguous"
+    return None
+
+
+def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
+    """Rewrites ``gm`` (a donated stage-1 graph that still has its ``fsg::grad`` markers) to
+    update params and moments with one ``fsg::fused_adamw_`` node. Returns how many param
+    leaves it covers; raises ``UnsupportedError`` if the graph does not have the expected
+    shape (the traced math is then left as it was)."""
+    spec = adamw_spec(optimizer)
+    leaves, state_def = tree.flatten(state)
+    index = tree.unflatten(state_def, list(range(len(leaves))))
+    adam, _, lr_state = index.opt_state
+    p_ids, mu_ids, nu_ids = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    copies = {
+        n.args[0]: n
+        for n in graph.nodes
+        if n.op == "call_function" and n.target is _COPY and n.args[0].op == "placeholder"
+    }
+    grads = {n.args[1]: n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is markers.GRAD}
+    needed = [placeholders[i] for i in (*p_ids, *mu_ids, *nu_ids, adam.count)]
+    missing = [n.name for n in needed if n not in copies]
+    if missing or sorted(grads) != list(range(len(p_ids))):
+        raise UnsupportedError(f"fused AdamW: the traced update does not write {missing or 'every gradient'}")
+    lr_copy = copies.get(placeholders[lr_state.learning_rate])
+    lr = lr_copy.args[1] if lr_copy is not None else placeholders[lr_state.learning_rate]
+    flags = tree.flatten(spec.mask(state.params) if callable(spec.mask) else spec.mask)[0] if spec.mask else None
+    wds = [spec.weight_decay if flags is None or flags[k] else 0.0 for k in range(len(p_ids))]
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    first = min((copies[n] for n in needed), key=order.__getitem__)
+    with graph.inserting_before(first):
+        graph.call_function(
+            FUSED_ADAMW,
+            (
+                [placeholders[i] for i in p_ids],
+                [grads[k] for k in range(len(p_ids))],
+                [placeholders[i] for i in mu_ids],
+                [placeholders[i] for i in nu_ids],
+                copies[placeholders[adam.count]].args[1],
+                lr,
+                spec.b1,
+                spec.b2,
+                spec.eps,
+                wds,
+            ),
+        )
+    for i in (*p_ids, *mu_ids, *nu_ids):
+        graph.erase_node(copies[placeholders[i]])
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return len(p_ids)

@@ -1,0 +1,210 @@
+"""Fused AdamW: one Triton launch updates every tensor of a dtype group in place.
+
+Shape legend: T tensors in the group, B blocks over all of them (each block lies in one
+tensor). The multi-tensor kernel reads each tensor's base address from int64 tables
+(params, grads, first and second moments), so one launch covers the whole group; a block
+table maps each program to ``(tensor, offset)``. While a CUDA graph is being captured the
+tables cannot be uploaded (a host-to-device copy is not capturable), so the same block math
+runs as one launch per tensor, which a graph replays at no launch cost.
+
+The math is the traced ``fsg.optim.adamw`` update, op for op, in float32:
+``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g g``,
+``u = (m'/(1-b1^t)) / (sqrt(v'/(1-b2^t)) + eps) + wd p``, ``p' = p + (-lr) u``, where ``t`` is
+the update count after this step and ``lr`` a 0-d tensor: both are read on the device, so a
+schedule never forces a recompile or a host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fsg._src.kernels._common import use_triton
+
+BLOCK = 2048  # elements per program; benchmarks/kernels.py sweeps it
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, count_ptr, lr_ptr, b1, b2, ln_b1, ln_b2, eps):
+    t = tl.load(count_ptr).to(tl.float32)
+    bias1 = 1.0 - tl.exp(t * ln_b1)
+    bias2 = 1.0 - tl.exp(t * ln_b2)
+    neg_lr = -tl.load(lr_ptr).to(tl.float32)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * g * g
+    u = (m / bias1) / (tl.sqrt(v / bias2) + eps) + wd * p
+    p = p + neg_lr * u
+    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_multi_tensor_kernel(
+    p_addrs,
+    g_addrs,
+    m_addrs,
+    v_addrs,
+    numels,
+    wds,
+    block_tensor,
+    block_offset,
+    count_ptr,
+    lr_ptr,
+    b1,
+    b2,
+    ln_b1,
+    ln_b2,
+    eps,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    S_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = tl.load(block_tensor + pid)
+    offs = tl.load(block_offset + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(numels + i)
+    p_ptr = tl.load(p_addrs + i).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(g_addrs + i).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(m_addrs + i).to(tl.pointer_type(S_DTYPE))
+    v_ptr = tl.load(v_addrs + i).to(tl.pointer_type(S_DTYPE))
+    wd = tl.load(wds + i)
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, count_ptr, lr_ptr, b1, b2, ln_b1, ln_b2, eps)
+
+
+@triton.jit
+def _adamw_tensor_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, numel, wd, count_ptr, lr_ptr, b1, b2, ln_b1, ln_b2, eps, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, wd, count_ptr, lr_ptr, b1, b2, ln_b1, ln_b2, eps)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+class _Tables:
+    """The device tables of one multi-tensor launch, cached by the tensors' addresses (a
+    compiled step passes the same state storages every call)."""
+
+    def __init__(self, params, grads, mus, nus, wds, block):
+        device = params[0].device
+        blocks = [triton.cdiv(p.numel(), block) for p in params]
+        self.num_blocks = sum(blocks)
+
+        def upload(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        self.addrs = [upload([t.data_ptr() for t in group], torch.int64) for group in (params, grads, mus, nus)]
+        self.numels = upload([p.numel() for p in params], torch.int64)
+        self.wds = upload(wds, torch.float32)
+        self.block_tensor = upload([i for i, n in enumerate(blocks) for _ in range(n)], torch.int32)
+        self.block_offset = upload([j * block for n in blocks for j in range(n)], torch.int64)
+
+
+_TABLES: dict[tuple, _Tables] = {}
+_MAX_CACHED = 8
+
+
+def _key(params, grads, mus, nus, wds, block) -> tuple:
+    return (block, tuple(wds), *((t.data_ptr(), t.numel()) for t in (*params, *grads, *mus, *nus)))
+
+
+def launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK) -> None:
+    """The same update as ``launch``, one launch per tensor (no device tables: capturable)."""
+    consts = (count, lr, b1, b2, math.log(b1), math.log(b2), eps)
+    for p, g, m, v, wd in zip(params, grads, mus, nus, wds):
+        _adamw_tensor_kernel[(triton.cdiv(p.numel(), block),)](p, g, m, v, p.numel(), wd, *consts, BLOCK=block)
+
+
+def launch(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK) -> None:
+    """Updates ``params``, ``mus``, ``nus`` in place (all contiguous, one dtype per role)."""
+    if not params:
+        return
+    if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block)
+        return
+    consts = (count, lr, b1, b2, math.log(b1), math.log(b2), eps)
+    key = _key(params, grads, mus, nus, wds, block)
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _MAX_CACHED:
+            _TABLES.clear()
+        tables = _TABLES[key] = _Tables(params, grads, mus, nus, wds, block)
+    _adamw_multi_tensor_kernel[(tables.num_blocks,)](
+        *tables.addrs,
+        tables.numels,
+        tables.wds,
+        tables.block_tensor,
+        tables.block_offset,
+        *consts,
+        P_DTYPE=_TL_DTYPES[params[0].dtype],
+        G_DTYPE=_TL_DTYPES[grads[0].dtype],
+        S_DTYPE=_TL_DTYPES[mus[0].dtype],
+        BLOCK=block,
+    )
+
+
+# --- eager reference: the traced fsg.optim.adamw math, op for op ---------------------------
+
+
+def adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, wds) -> None:
+    t = count.to(torch.float32)
+    bias1 = 1.0 - torch.pow(b1, t)
+    bias2 = 1.0 - torch.pow(b2, t)
+    neg_lr = -1.0 * lr.to(torch.float32)
+    for p, g, m, v, wd in zip(params, grads, mus, nus, wds):
+        m.copy_(b1 * m + (1.0 - b1) * g)
+        v.copy_(b2 * v + (1.0 - b2) * g * g)
+        u = (m / bias1) / (torch.sqrt(v / bias2) + eps)
+        if wd:
+            u = u + wd * p
+        p.copy_(p + (neg_lr * u).to(p.dtype))
+
+
+# --- the registered op: one node in the step graph (the stage-3 pass inserts it) -----------
+
+
+def _groups(params, grads, mus, nus, wds):
+    """Splits the tensors into groups of one (param, grad, state) dtype triple."""
+    groups: dict[tuple, list] = {}
+    for item in zip(params, grads, mus, nus, wds):
+        groups.setdefault((item[0].dtype, item[1].dtype, item[2].dtype), []).append(item)
+    return [tuple(map(list, zip(*items))) for items in groups.values()]
+
+
+@torch.library.custom_op("fsg::fused_adamw_", mutates_args=("params", "mus", "nus"))
+def fused_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    mus: list[torch.Tensor],
+    nus: list[torch.Tensor],
+    count: torch.Tensor,
+    lr: torch.Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decays: list[float],
+) -> None:
+    """One AdamW step on many tensors, in place (see the module docstring for the math)."""
+    if not params:
+        return
+    if not use_triton(params[0]):
+        adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays)
+        return
+    grads = [g.contiguous() for g in grads]
+    for group in _groups(params, grads, mus, nus, weight_decays):
+        launch(*group[:4], count, lr, b1, b2, eps, group[4])
+
+
+@fused_adamw_.register_fake
+def _(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays):
+    return None
