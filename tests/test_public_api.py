@@ -29,7 +29,7 @@ def test_optim_public_names():
 
 
 def test_nn_public_names():
-    assert fsg.nn.__all__ == ["cross_entropy", "layer_norm", "rms_norm"]
+    assert fsg.nn.__all__ == ["cross_entropy", "layer_norm", "linear_cross_entropy", "rms_norm"]
 
 
 def test_errors_are_fsg_errors():

@@ -27,6 +27,7 @@ from fsg._src.errors import (
     StructureMismatchError,
     UnsupportedError,
 )
+from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.precision import Policy
@@ -211,7 +212,8 @@ class Step:
         # DTensor has sharding rules for the CUDA attention kernels but not the CPU one: on
         # CPU, attention is traced as its math (bmm, softmax), which it can shard.
         math_attention = self._mesh.device_type == "cpu"
-        with sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext():
+        attention = sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext()
+        with attention, plain_math():  # DTensor shards torch ops, not fsg's opaque kernels
             traced = trace_lib.trace(
                 self._loss_fn,
                 self._optimizer,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -17,3 +19,25 @@ def use_triton(x: torch.Tensor) -> bool:
 def row_block(n: int) -> int:
     """The block size of a one-row-per-program kernel over rows of width ``n``."""
     return triton.next_power_of_2(n)
+
+
+_PLAIN_MATH = contextvars.ContextVar("fsg_plain_math", default=False)
+
+
+@contextlib.contextmanager
+def plain_math():
+    """Within this context ``fsg.nn`` traces its eager references instead of the fused ops.
+
+    Stage 2 shards the traced graph with DTensor, which has sharding rules for torch's ops but
+    not for fsg's opaque kernels; a step on a mesh is therefore traced in plain math.
+    """
+    token = _PLAIN_MATH.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_MATH.reset(token)
+
+
+def fused_ops_enabled() -> bool:
+    """False inside ``plain_math()``."""
+    return not _PLAIN_MATH.get()

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import row_block, use_triton
+from fsg._src.kernels._common import fused_ops_enabled, row_block, use_triton
 
 
 @triton.jit
@@ -169,4 +169,6 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"layer_norm: weight and bias must have shape [{n}], got {shapes}")
     if bias is None:
         bias = torch.zeros_like(weight)
+    if not fused_ops_enabled():  # e.g. under a mesh: plain math that DTensor can shard
+        return layer_norm_reference(x, weight, bias, eps)[0]
     return layer_norm_fwd(x, weight, bias, eps)[0]

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import row_block, use_triton
+from fsg._src.kernels._common import fused_ops_enabled, row_block, use_triton
 
 
 @triton.jit
@@ -147,4 +147,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """
     if x.shape[-1] != weight.shape[-1] or weight.dim() != 1:
         raise ValueError(f"rms_norm: weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if not fused_ops_enabled():  # e.g. under a mesh: plain math that DTensor can shard
+        return rms_norm_reference(x, weight, eps)[0]
     return rms_norm_fwd(x, weight, eps)[0]
