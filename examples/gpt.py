@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fsg
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -78,10 +80,16 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits ``[B, T, V]``; with ``targets`` the mean cross-entropy instead, through
+        ``fsg.nn.linear_cross_entropy`` (the head fused with the loss: no ``[B, T, V]``
+        logits are ever held)."""
         T = idx_BT.shape[1]
         pos_T = torch.arange(T, device=idx_BT.device)
         x_BTD = self.wte(idx_BT) + self.wpe(pos_T)
         for block in self.blocks:
             x_BTD = block(x_BTD)
-        return self.lm_head(self.ln_f(x_BTD))  # logits_BTV
+        h_BTD = self.ln_f(x_BTD)
+        if targets_BT is not None:
+            return fsg.nn.linear_cross_entropy(h_BTD, self.lm_head.weight, targets_BT)
+        return self.lm_head(h_BTD)  # logits_BTV

@@ -202,3 +202,10 @@ def test_mesh_must_be_an_fsg_mesh():
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="unknown backend 'xla'"):
         fsg.compile_step(lambda p, b: p, optimizer=fsg.optim.sgd(0.1), backend="xla")
+
+
+def test_cuda_graph_true_on_cpu_says_why_not():
+    model = mlp()
+    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-3), cuda_graph=True)
+    with pytest.raises(fsg.UnsupportedError, match="not a CUDA tensor"):
+        step(step.init(fsg.params(model)), regression_batch())

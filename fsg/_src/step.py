@@ -17,7 +17,7 @@ import optree
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, fusion, markers, placement, purity, spmd, tree
+from fsg._src import _torch_private, cudagraph, fusion, markers, placement, purity, spmd, tree
 from fsg._src import backend as backend_lib
 from fsg._src import trace as trace_lib
 from fsg._src.errors import (
@@ -100,8 +100,10 @@ class Step:
         precision: Policy | None = None,
         accum_steps: int = 1,
         fused_optimizer: bool | None = None,
+        cuda_graph: bool | None = None,
     ):
         backend_lib.check_backend(backend)
+        self._cuda_graph = cuda_graph
         if fused_optimizer and mesh is not None and mesh.size > 1:
             raise UnsupportedError(
                 "fused_optimizer=True on a mesh is not supported yet (the fused AdamW runs on one "
@@ -252,6 +254,22 @@ class Step:
             raise UnsupportedError(f"fused_optimizer=True, but {reason}; pass fused_optimizer=None or False")
         return reason is None and (self._fused_optimizer or state.step.is_cuda)
 
+    def _graph_replay(self, state: Any, batch: Any) -> bool:
+        """Whether the compiled step is replayed as a CUDA graph: by default whenever it can
+        be (one device, donated state, everything on CUDA); ``cuda_graph=True`` insists."""
+        if self._cuda_graph is False:
+            return False
+        reason = None
+        if self._mesh is not None:
+            reason = "the step runs on a mesh (graph replay is single-device for now)"
+        elif not self._donate:
+            reason = "donate=False (replay needs the state in fixed buffers)"
+        elif not cudagraph.can_graph([*tree.flatten(state)[0], *tree.flatten(batch)[0]]):
+            reason = "some state or batch leaf is not a CUDA tensor"
+        if self._cuda_graph and reason is not None:
+            raise UnsupportedError(f"cuda_graph=True, but {reason}; pass cuda_graph=None or False")
+        return reason is None
+
     def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:
         if self._last_signature is not None:
             change = _describe_change(self._last_signature, signature, state, batch)
@@ -266,7 +284,10 @@ class Step:
                 )
             warnings.warn(message, RecompileWarning, stacklevel=3)
         built = self._build(state, batch)
-        compiled = built._replace(fn=backend_lib.compile_graph(built.graph, self._backend))
+        fn = backend_lib.compile_graph(built.graph, self._backend)
+        if self._graph_replay(state, batch):
+            fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves)
+        compiled = built._replace(fn=fn)
         self._cache[signature] = compiled
         self._structure = (signature.state_def, signature.batch_def)
         return compiled
@@ -333,6 +354,7 @@ def compile_step(
     donate: bool = True,
     strict: bool = False,
     fused_optimizer: bool | None = None,
+    cuda_graph: bool | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -367,6 +389,11 @@ def compile_step(
         device, when the optimizer is ``adamw`` and ``donate=True``; ``True``: always (also
         on CPU, under ``TRITON_INTERPRET=1`` or via its eager reference), raising if it
         cannot; ``False``: never.
+      cuda_graph: replay the whole compiled step as one CUDA graph from its third call on
+        (call 1 compiles, call 2 warms up and captures). ``None`` (default): whenever the
+        state and batch are on CUDA, on one device, with ``donate=True``; ``True``: raise if
+        it cannot; ``False``: never. The batch is copied into the graph's own buffers; a
+        state in other storages (a restored checkpoint) is captured again.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -395,4 +422,5 @@ def compile_step(
         precision=precision,
         accum_steps=accum_steps,
         fused_optimizer=fused_optimizer,
+        cuda_graph=cuda_graph,
     )

@@ -115,3 +115,4 @@ def test_default_is_off_on_cpu():
     step, state = _step(None)
     assert fusion.why_not_fusable(step._optimizer, state, donate=True) is None
     assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
+

@@ -1,0 +1,73 @@
+"""Whole-step CUDA-graph replay of a compiled, donated step.
+
+A donated step writes every new state leaf into the old one's storage, so the state already
+lives in static buffers; the batch is copied into buffers the graph owns. Call 1 compiles and
+runs the step; call 2 runs it once on a side stream (the warm-up CUDA graphs need) and then
+captures it; every later call copies the batch in and replays the whole step (forward,
+backward, optimizer) as one graph: no Python, no per-kernel launch cost.
+
+The graph is tied to the state's storages. A call with other state tensors (a restored
+checkpoint, a new ``step.init``) is captured again; the metrics returned are copies, so a
+later replay never overwrites what a caller kept.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def can_graph(inputs: list[torch.Tensor]) -> bool:
+    """Whether a step on ``inputs`` can be replayed as a CUDA graph: every input on CUDA."""
+    return bool(inputs) and all(t.is_cuda for t in inputs)
+
+
+class GraphedStep:
+    """Wraps a compiled donated step ``fn(*state_leaves, *batch_leaves) -> metrics``."""
+
+    def __init__(self, fn: Callable[..., tuple], num_state: int):
+        self._fn = fn
+        self._num_state = num_state
+        self._calls = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._key: tuple = ()
+        self._batch: list[torch.Tensor] = []
+        self._outputs: tuple = ()
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def _key_of(self, inputs) -> tuple:
+        state = inputs[: self._num_state]
+        batch = inputs[self._num_state :]
+        return (tuple(t.data_ptr() for t in state), tuple((t.shape, t.dtype, t.device) for t in batch))
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple:
+        key = self._key_of(inputs)
+        if self._graph is not None and key == self._key:
+            for buf, x in zip(self._batch, inputs[self._num_state :]):
+                buf.copy_(x, non_blocking=True)
+            self._graph.replay()
+            return tuple(o.clone() for o in self._outputs)
+        self._calls += 1
+        if self._calls == 1:  # compiles (torch.compile is lazy) and runs the step
+            return self._fn(*inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up is this call's real step
+            outputs = self._fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self._capture(inputs, key)
+        return outputs
+
+    def _capture(self, inputs, key) -> None:
+        self._batch = [torch.empty_like(x) for x in inputs[self._num_state :]]
+        for buf, x in zip(self._batch, inputs[self._num_state :]):
+            buf.copy_(x)
+        self._graph = None  # release an old graph's pool before capturing a new one
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records only: the state is not touched here
+            self._outputs = tuple(self._fn(*inputs[: self._num_state], *self._batch))
+        self._graph, self._key = graph, key
