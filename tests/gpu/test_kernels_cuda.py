@@ -71,13 +71,11 @@ def test_fused_adamw_under_cuda_graph_capture_replays():
     ref = [[t.clone() for t in ts] for ts in (params, grads, mus, nus)]
     count, lr = torch.tensor(1, device="cuda"), torch.tensor(1e-3, device="cuda")
     args = (count, lr, 0.9, 0.999, 1e-8, [0.0, 0.1, 0.1, 0.0])
+    A.launch_per_tensor(*[[t.clone() for t in ts] for ts in (params, grads, mus, nus)], *args)  # build kernels
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        with torch.cuda.graph(graph):
-            A.launch(params, grads, mus, nus, *args)  # capturing: per-tensor launches
-    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        A.launch(params, grads, mus, nus, *args)  # capturing: per-tensor launches
     for _ in range(3):
         graph.replay()
         A.adamw_reference(*ref, *args)
