@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from fsg._src.kernels._common import capture_warmup
+
 
 def can_graph(inputs: list[torch.Tensor]) -> bool:
     """Whether a step on ``inputs`` can be replayed as a CUDA graph: every input on CUDA."""
@@ -56,7 +58,7 @@ class GraphedStep:
             return self._fn(*inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the warm-up is this call's real step
+        with torch.cuda.stream(side), capture_warmup():  # the warm-up is this call's real step
             outputs = self._fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         self._capture(inputs, key)

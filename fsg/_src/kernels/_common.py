@@ -41,3 +41,24 @@ def plain_math():
 def fused_ops_enabled() -> bool:
     """False inside ``plain_math()``."""
     return not _PLAIN_MATH.get()
+
+
+_CAPTURE_WARMUP = contextvars.ContextVar("fsg_capture_warmup", default=False)
+
+
+@contextlib.contextmanager
+def capture_warmup():
+    """Marks the warm-up run before a CUDA-graph capture: kernels take the launch path they
+    will take while capturing, so that every Triton kernel the capture needs is already built
+    and loaded (building one during a capture is not allowed)."""
+    token = _CAPTURE_WARMUP.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURE_WARMUP.reset(token)
+
+
+def graph_safe_launch(x: torch.Tensor) -> bool:
+    """Whether a kernel on ``x`` must launch without host-to-device uploads: while a CUDA
+    graph is captured, or in the warm-up run before one."""
+    return _CAPTURE_WARMUP.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())

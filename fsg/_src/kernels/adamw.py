@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import use_triton
+from fsg._src.kernels._common import graph_safe_launch, use_triton
 
 BLOCK = 2048  # elements per program; benchmarks/kernels.py sweeps it
 
@@ -129,7 +129,7 @@ def launch(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BL
     """Updates ``params``, ``mus``, ``nus`` in place (all contiguous, one dtype per role)."""
     if not params:
         return
-    if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+    if graph_safe_launch(params[0]):
         launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block)
         return
     consts = (count, lr, b1, b2, math.log(b1), math.log(b2), eps)
