@@ -10,8 +10,10 @@ params, eps 1e-8), bfloat16 compute (torch: autocast; fsg: ``fsg.Policy``; JAX: 
 to bf16 in the loss), the loss in float32. Each implementation runs in its own process (clean
 memory statistics, no allocator sharing, JAX not preallocating), one after the other on the
 same GPU. Step time is the mean over --steps timed steps after --warmup untimed ones (the
-first of which compiles: "compile" is its wall time). Peak memory is the device's peak during
-the timed steps (torch: max_memory_allocated; JAX: peak_bytes_in_use). MFU counts
+first of which compiles: "compile" is its wall time). Peak memory is the process's peak over
+the whole run, compile and CUDA-graph capture included (torch: max_memory_allocated; JAX:
+peak_bytes_in_use); "reserved" is what the allocator held at most (torch:
+max_memory_reserved; JAX: peak_bytes_reserved where reported). MFU counts
 6 N + 12 L T D FLOPs per token (N: params without the position embedding) against 989 TFLOP/s.
 
 Implementations (--impl):
@@ -121,8 +123,6 @@ def run_torch(impl: str, args) -> dict:
         step(i)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for i in range(args.steps):
         loss = step(i)
@@ -131,6 +131,7 @@ def run_torch(impl: str, args) -> dict:
     return {
         "ms": ms,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
         "compile_s": compile_s,
         "first_loss": first,
         "last_loss": float(loss),
@@ -230,6 +231,7 @@ def run_jax(args) -> dict:
     return {
         "ms": ms,
         "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
+        "reserved_gib": stats.get("peak_bytes_reserved", stats.get("bytes_reserved", float("nan"))) / 2**30,
         "compile_s": compile_s,
         "first_loss": first,
         "last_loss": float(loss),
@@ -278,16 +280,17 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU"
     print(f"\n{device}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
     print(f"GPT-2 {args.model}, batch {args.batch} x {args.seq}, {args.name}\n")
-    print("| implementation | step (ms) | tokens/s | MFU | peak mem (GiB) | compile (s) | loss first -> last | versions |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| implementation | step (ms) | tokens/s | MFU | peak mem (GiB) | reserved (GiB) | compile (s) | "
+          "loss first -> last | versions |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for impl, r in rows:
         if r is None:
-            print(f"| {impl} | failed |  |  |  |  |  |  |")
+            print(f"| {impl} | failed |  |  |  |  |  |  |  |")
             continue
         tokens = args.batch * args.seq
         mfu = flops_per_step(layers, dim, r["n_params"], args.batch, args.seq) / (r["ms"] / 1e3) / 1e12 / PEAK_TFLOPS
         print(
-            f"| {impl} | {r['ms']:.2f} | {tokens / r['ms'] * 1e3:,.0f} | {mfu:.1%} | {r['peak_gib']:.2f} | "
+            f"| {impl} | {r['ms']:.2f} | {tokens / r['ms'] * 1e3:,.0f} | {mfu:.1%} | {r['peak_gib']:.2f} | {r['reserved_gib']:.2f} | "
             f"{r['compile_s']:.1f} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['versions']} |"
         )
 

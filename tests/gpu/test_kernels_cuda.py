@@ -47,9 +47,12 @@ def test_cross_entropy_on_logits_cuda(dtype):
 def _adamw_tensors(dtype=torch.float32):
     shapes = [(50304, 64), (7,), (768, 768), (3, 5, 11)]
     params = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-    return params, [torch.randn_like(p) for p in params], [torch.zeros_like(p) for p in params], [
-        torch.zeros_like(p) for p in params
-    ]
+    return (
+        params,
+        [torch.randn_like(p) for p in params],
+        [torch.zeros_like(p) for p in params],
+        [torch.zeros_like(p) for p in params],
+    )
 
 
 def test_fused_adamw_matches_torch_fused_adamw():

@@ -16,9 +16,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def row_block(n: int) -> int:
-    """The block size of a one-row-per-program kernel over rows of width ``n``."""
-    return triton.next_power_of_2(n)
+class RowTiling:
+    """How a row-wise kernel over ``[M, N]`` tiles its work: each program holds ``rows`` rows
+    of ``block`` columns at once (about 4096 elements, so narrow rows still fill the warps)
+    and, in a backward, walks ``iters`` such tiles, summing its weight-gradient partials in
+    registers; ``programs`` partial rows are left for one torch reduction."""
+
+    def __init__(self, M: int, N: int, *, backward: bool = False, iters: int | None = None):
+        self.block = triton.next_power_of_2(N)
+        self.rows = max(1, min(16, 4096 // self.block))
+        self.iters = iters or (4 if backward and 2048 * self.rows <= M else 1)
+        self.num_warps = min(16, max(4, self.rows * self.block // 512))
+        self.programs = triton.cdiv(M, self.rows * self.iters)
 
 
 _PLAIN_MATH = contextvars.ContextVar("fsg_plain_math", default=False)

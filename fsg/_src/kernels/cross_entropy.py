@@ -71,6 +71,40 @@ def _ce_bwd_kernel(
         tl.store(dx_ptr + row * dstride + c, g.to(dx_ptr.dtype.element_ty), mask=c < V)
 
 
+@triton.jit
+def _ce_fwd_bwd_kernel(
+    x_ptr, stride, t_ptr, loss_ptr, drow_ptr, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The forward and, in place, the backward of one row: its logits become their gradient
+    (the second pass re-reads the row, mostly from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+    t = tl.load(t_ptr + row)
+    valid = t != ignore_index
+    in_range = (t >= 0) & (t < V)
+    x_t = tl.load(base + t, mask=valid & in_range, other=0.0).to(tl.float32)
+    loss = tl.where(valid, lse - x_t + z_loss * lse * lse, 0.0)
+    tl.store(loss_ptr + row, tl.where(valid & ~in_range, float("nan"), loss))
+    scale = tl.where(valid, tl.load(drow_ptr + row), 0.0)
+    coef = 1.0 + 2.0 * z_loss * lse
+    for start in range(0, V, BLOCK):
+        c = start + cols
+        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) * coef - tl.where(c == t, 1.0, 0.0)) * scale
+        tl.store(base + c, g.to(x_ptr.dtype.element_ty), mask=c < V)
+
+
 # --- host launchers -----------------------------------------------------------------------
 
 
@@ -93,6 +127,14 @@ def launch_bwd(x_NV, targets_N, lse_N, drow_N, dx_NV, ignore_index: int, z_loss:
         z_loss,
         V=V,
         BLOCK=_block(V),
+    )
+
+
+def launch_fwd_bwd_inplace(x_NV, targets_N, loss_N, drow_N, ignore_index: int, z_loss: float) -> None:
+    """Writes each row's loss into ``loss_N`` and overwrites ``x_NV`` with its gradient."""
+    N, V = x_NV.shape
+    _ce_fwd_bwd_kernel[(N,)](
+        x_NV, x_NV.stride(0), targets_N, loss_N, drow_N, ignore_index, z_loss, V=V, BLOCK=_block(V)
     )
 
 
@@ -131,6 +173,17 @@ def _rows(x_NV, targets_N, ignore_index, z_loss):
     lse_N = torch.empty(N, dtype=torch.float32, device=x_NV.device)
     launch_fwd(x_NV, targets_N, loss_N, lse_N, ignore_index, z_loss)
     return loss_N, lse_N
+
+
+def _rows_and_grad_inplace(x_NV, targets_N, drow_N, ignore_index, z_loss) -> torch.Tensor:
+    """The rows' losses; ``x_NV`` now holds the logits' gradient."""
+    if not use_triton(x_NV):
+        loss_N, lse_N = rows_reference(x_NV, targets_N, ignore_index, z_loss)
+        x_NV.copy_(grad_reference(x_NV, targets_N, lse_N, drow_N, ignore_index, z_loss))
+        return loss_N
+    loss_N = torch.empty(x_NV.shape[0], dtype=torch.float32, device=x_NV.device)
+    launch_fwd_bwd_inplace(x_NV, targets_N, loss_N, drow_N, ignore_index, z_loss)
+    return loss_N
 
 
 def _grad(x_NV, targets_N, lse_N, drow_N, ignore_index, z_loss, out_NV):
@@ -186,8 +239,9 @@ cross_entropy_fwd.register_autograd(_ce_backward, setup_context=_ce_setup)
 
 
 def default_chunk(V: int, itemsize: int) -> int:
-    """Rows per chunk of ``linear_cross_entropy``: about 256 MiB of logits, at least 1."""
-    return max(1, (256 << 20) // (V * itemsize))
+    """Rows per chunk of ``linear_cross_entropy``: about 1 GiB of logits, at least 1 (fewer,
+    larger chunks keep the matmuls efficient and the float32 weight-gradient sums few)."""
+    return max(1, (1 << 30) // (V * itemsize))
 
 
 @torch.library.custom_op("fsg::linear_cross_entropy_fwd", mutates_args=())
@@ -207,16 +261,24 @@ def linear_cross_entropy_fwd(
     inv_count = 1.0 / (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
     loss_N = torch.empty(N, dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if with_grad else h.new_empty(0)
-    dw32 = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if with_grad else None
+    dw32 = None  # float32 sum of the chunks' weight gradients
     drow = inv_count.expand(min(chunk, N)).contiguous() if with_grad else None
     for start in range(0, N, chunk):
         rows = slice(start, min(start + chunk, N))
         logits_CV = h[rows] @ weight.T
-        loss_N[rows], lse_C = _rows(logits_CV, targets[rows], ignore_index, z_loss)
-        if with_grad:  # the chunk's logits become their gradient, in place
-            _grad(logits_CV, targets[rows], lse_C, drow[: logits_CV.shape[0]], ignore_index, z_loss, logits_CV)
-            torch.mm(logits_CV, weight, out=dh[rows])
-            dw32 += (logits_CV.T @ h[rows]).float()
+        if not with_grad:
+            loss_N[rows] = _rows(logits_CV, targets[rows], ignore_index, z_loss)[0]
+            continue
+        # the chunk's logits become their gradient, in place, in the same kernel
+        loss_N[rows] = _rows_and_grad_inplace(
+            logits_CV, targets[rows], drow[: logits_CV.shape[0]], ignore_index, z_loss
+        )
+        torch.mm(logits_CV, weight, out=dh[rows])
+        dw_chunk = logits_CV.T @ h[rows]
+        if dw32 is None:  # one chunk (the common case): no float32 accumulator at all
+            dw32 = dw_chunk if start + chunk >= N else dw_chunk.float()
+        else:
+            dw32 += dw_chunk.float()
     dw = dw32.to(weight.dtype) if with_grad else weight.new_empty(0)
     return loss_N.sum() * inv_count, dh, dw
 
@@ -303,7 +365,7 @@ def linear_cross_entropy(
     """``cross_entropy(h @ weight.T, targets)`` without ever holding all the logits.
 
     The output projection is fused in: tokens are processed in chunks of ``chunk_size`` rows
-    (default: about 256 MiB of logits), and each chunk's logits turn into their gradient on
+    (default: about 1 GiB of logits), and each chunk's logits turn into their gradient on
     the spot, so peak memory is one chunk of logits plus a float32 ``weight`` gradient, not
     ``N x V`` float32 logits, their softmax and their gradient. The forward computes the
     gradients (a train step always needs them); without autograd it computes the loss only.

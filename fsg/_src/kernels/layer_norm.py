@@ -1,9 +1,9 @@
 """LayerNorm forward and backward: Triton kernels, launchers, the registered ops, the reference.
 
 Shape legend: M rows (every leading dim flattened), N the normalized width.
-y = (x - mean) * rstd * w + b, statistics in float32 whatever the input dtype. One program
-normalizes one row; the backward writes dx per row and per-row float32 partials of dw and db
-that one torch reduction sums.
+y = (x - mean) * rstd * w + b, statistics in float32 whatever the input dtype. Each program
+normalizes a tile of rows (``RowTiling``); the backward writes dx and one float32 partial of
+dw and of db per program, which one torch reduction each sums.
 """
 
 from __future__ import annotations
@@ -12,45 +12,59 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import fused_ops_enabled, row_block, use_triton
+from fsg._src.kernels._common import RowTiling, fused_ops_enabled, use_triton
 
 
 @triton.jit
-def _layer_norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _layer_norm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * N + cols, (xc * rstd * w + b).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def _layer_norm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_rows_ptr, db_rows_ptr, N, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0)
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, M, N,
+    ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.load(mean_ptr + row)
-    rstd = tl.load(rstd_ptr + row)
-    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-    dxhat = dy * w
-    c1 = tl.sum(dxhat * xhat, axis=0) / N
-    c2 = tl.sum(dxhat, axis=0) / N
-    dx = rstd * (dxhat - c2 - xhat * c1)
-    tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_rows_ptr + row * N + cols, dy * xhat, mask=mask)
-    tl.store(db_rows_ptr + row * N + cols, dy, mask=mask)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    db = tl.zeros([BLOCK], tl.float32)
+    for it in range(ITERS):
+        rows = (pid.to(tl.int64) * ITERS + it) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dxhat = dy * w[None, :]
+        c1 = tl.sum(dxhat * xhat, axis=1) / N
+        c2 = tl.sum(dxhat, axis=1) / N
+        dx = rstd[:, None] * (dxhat - c2[:, None] - xhat * c1[:, None])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cols < N)
+    tl.store(db_part_ptr + pid * N + cols, db, mask=cols < N)
 
 
 # --- host launchers: write into given outputs (the tests poison them first) ---------------
@@ -58,12 +72,21 @@ def _layer_norm_bwd_kernel(
 
 def launch_fwd(x_MN, w, b, y_MN, mean_M, rstd_M, eps: float) -> None:
     M, N = x_MN.shape
-    _layer_norm_fwd_kernel[(M,)](x_MN, w, b, y_MN, mean_M, rstd_M, N, eps, BLOCK=row_block(N))
+    t = RowTiling(M, N)
+    _layer_norm_fwd_kernel[(triton.cdiv(M, t.rows),)](
+        x_MN, w, b, y_MN, mean_M, rstd_M, M, N, eps, ROWS=t.rows, BLOCK=t.block, num_warps=t.num_warps
+    )
 
 
-def launch_bwd(dy_MN, x_MN, w, mean_M, rstd_M, dx_MN, dw_rows_MN, db_rows_MN) -> None:
+def launch_bwd(dy_MN, x_MN, w, mean_M, rstd_M, dx_MN, dw_part_PN, db_part_PN, tiling: RowTiling | None = None):
+    """The partials have ``tiling.programs`` rows (default tiling: ``RowTiling(M, N,
+    backward=True)``); their sums are dw and db."""
     M, N = x_MN.shape
-    _layer_norm_bwd_kernel[(M,)](dy_MN, x_MN, w, mean_M, rstd_M, dx_MN, dw_rows_MN, db_rows_MN, N, BLOCK=row_block(N))
+    t = tiling or RowTiling(M, N, backward=True)
+    _layer_norm_bwd_kernel[(t.programs,)](
+        dy_MN, x_MN, w, mean_M, rstd_M, dx_MN, dw_part_PN, db_part_PN, M, N,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+    )  # fmt: skip
 
 
 # --- eager reference (tests and benchmarks import it) -----------------------------------
@@ -115,13 +138,14 @@ def layer_norm_bwd(
     x_MN = x.reshape(-1, x.shape[-1]).contiguous()
     M, N = x_MN.shape
     dx_MN = torch.empty_like(x_MN)
-    dw_rows = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    db_rows = torch.empty((M, N), dtype=torch.float32, device=x.device)
+    programs = RowTiling(M, N, backward=True).programs
+    dw_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
+    db_part = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     launch_bwd(
         dy.reshape(M, N).contiguous(), x_MN, w.contiguous(), mean.reshape(M).contiguous(),
-        rstd.reshape(M).contiguous(), dx_MN, dw_rows, db_rows,
+        rstd.reshape(M).contiguous(), dx_MN, dw_part, db_part,
     )  # fmt: skip
-    return dx_MN.reshape(x.shape), dw_rows.sum(0).to(w.dtype), db_rows.sum(0).to(w.dtype)
+    return dx_MN.reshape(x.shape), dw_part.sum(0).to(w.dtype), db_part.sum(0).to(w.dtype)
 
 
 @layer_norm_fwd.register_fake

@@ -2,8 +2,8 @@
 
 Shape legend: M rows (every leading dim flattened), N the normalized width.
 y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), computed in float32 whatever the
-input dtype. One program normalizes one row; the backward writes dx per row and a per-row
-partial of dw (float32) that one torch reduction sums.
+input dtype. Each program normalizes a tile of rows (``RowTiling``); the backward writes dx and
+one float32 partial of dw per program, which one torch reduction sums.
 """
 
 from __future__ import annotations
@@ -12,35 +12,46 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import fused_ops_enabled, row_block, use_triton
+from fsg._src.kernels._common import RowTiling, fused_ops_enabled, use_triton
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(y_ptr + row * N + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(y_ptr + offs, (x * rstd[:, None] * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_rows_ptr, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, N,
+    ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    xhat = x * rstd
-    dxhat = dy * w
-    dx = rstd * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / N))
-    tl.store(dx_ptr + row * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_rows_ptr + row * N + cols, dy * xhat, mask=mask)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    for it in range(ITERS):
+        rows = (pid.to(tl.int64) * ITERS + it) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = x * rstd[:, None]
+        dxhat = dy * w[None, :]
+        dx = rstd[:, None] * (dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / N)[:, None])
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+    tl.store(dw_part_ptr + pid * N + cols, dw, mask=cols < N)
 
 
 # --- host launchers: write into given outputs (the tests poison them first) ---------------
@@ -48,12 +59,20 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_rows_ptr, N,
 
 def launch_fwd(x_MN: torch.Tensor, w: torch.Tensor, y_MN: torch.Tensor, rstd_M: torch.Tensor, eps: float) -> None:
     M, N = x_MN.shape
-    _rms_norm_fwd_kernel[(M,)](x_MN, w, y_MN, rstd_M, N, eps, BLOCK=row_block(N))
+    t = RowTiling(M, N)
+    grid = (triton.cdiv(M, t.rows),)
+    _rms_norm_fwd_kernel[grid](x_MN, w, y_MN, rstd_M, M, N, eps, ROWS=t.rows, BLOCK=t.block, num_warps=t.num_warps)
 
 
-def launch_bwd(dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN) -> None:
+def launch_bwd(dy_MN, x_MN, w, rstd_M, dx_MN, dw_part_PN, tiling: RowTiling | None = None) -> None:
+    """``dw_part_PN`` has ``tiling.programs`` rows (default tiling: ``RowTiling(M, N,
+    backward=True)``); their sum is dw."""
     M, N = x_MN.shape
-    _rms_norm_bwd_kernel[(M,)](dy_MN, x_MN, w, rstd_M, dx_MN, dw_rows_MN, N, BLOCK=row_block(N))
+    t = tiling or RowTiling(M, N, backward=True)
+    _rms_norm_bwd_kernel[(t.programs,)](
+        dy_MN, x_MN, w, rstd_M, dx_MN, dw_part_PN, M, N,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+    )  # fmt: skip
 
 
 # --- eager reference (tests and benchmarks import it) -----------------------------------
@@ -102,9 +121,9 @@ def rms_norm_bwd(
     x_MN = x.reshape(-1, x.shape[-1]).contiguous()
     M, N = x_MN.shape
     dx_MN = torch.empty_like(x_MN)
-    dw_rows_MN = torch.empty((M, N), dtype=torch.float32, device=x.device)
-    launch_bwd(dy.reshape(M, N).contiguous(), x_MN, w.contiguous(), rstd.reshape(M).contiguous(), dx_MN, dw_rows_MN)
-    return dx_MN.reshape(x.shape), dw_rows_MN.sum(0).to(w.dtype)
+    dw_part_PN = torch.empty((RowTiling(M, N, backward=True).programs, N), dtype=torch.float32, device=x.device)
+    launch_bwd(dy.reshape(M, N).contiguous(), x_MN, w.contiguous(), rstd.reshape(M).contiguous(), dx_MN, dw_part_PN)
+    return dx_MN.reshape(x.shape), dw_part_PN.sum(0).to(w.dtype)
 
 
 @rms_norm_fwd.register_fake
