@@ -7,6 +7,7 @@ from fsg import optim as optim
 from fsg import sharding as sharding
 from fsg._src.errors import BatchError as BatchError
 from fsg._src.errors import CheckpointError as CheckpointError
+from fsg._src.errors import CudaGraphWarning as CudaGraphWarning
 from fsg._src.errors import FsgError as FsgError
 from fsg._src.errors import HostSyncError as HostSyncError
 from fsg._src.errors import ImpureLossError as ImpureLossError
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointError",
     "checkpoint",
     "Cost",
+    "CudaGraphWarning",
     "Mesh",
     "MeshError",
     "P",

@@ -8,15 +8,19 @@ backward, optimizer) as one graph: no Python, no per-kernel launch cost.
 
 The graph is tied to the state's storages. A call with other state tensors (a restored
 checkpoint, a new ``step.init``) is captured again; the metrics returned are copies, so a
-later replay never overwrites what a caller kept.
+later replay never overwrites what a caller kept. If the capture fails (an op in the step that
+CUDA graphs cannot hold), the step warns once with ``CudaGraphWarning`` and runs on without
+replay, unless ``cuda_graph=True`` asked for replay, which makes it an error.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
+from fsg._src.errors import CudaGraphWarning
 from fsg._src.kernels._common import capture_warmup
 
 
@@ -28,8 +32,10 @@ def can_graph(inputs: list[torch.Tensor]) -> bool:
 class GraphedStep:
     """Wraps a compiled donated step ``fn(*state_leaves, *batch_leaves) -> metrics``."""
 
-    def __init__(self, fn: Callable[..., tuple], num_state: int):
+    def __init__(self, fn: Callable[..., tuple], num_state: int, *, strict: bool = False):
         self._fn = fn
+        self._strict = strict  # re-raise a failed capture instead of running on without graphs
+        self._disabled = False
         self._num_state = num_state
         self._calls = 0
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -47,6 +53,8 @@ class GraphedStep:
         return (tuple(t.data_ptr() for t in state), tuple((t.shape, t.dtype, t.device) for t in batch))
 
     def __call__(self, *inputs: torch.Tensor) -> tuple:
+        if self._disabled:
+            return self._fn(*inputs)
         key = self._key_of(inputs)
         if self._graph is not None and key == self._key:
             for buf, x in zip(self._batch, inputs[self._num_state :]):
@@ -61,11 +69,25 @@ class GraphedStep:
         with torch.cuda.stream(side), capture_warmup():  # the warm-up is this call's real step
             outputs = self._fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
-        self._capture(inputs, key)
+        try:
+            self._capture(inputs, key)
+        except Exception as exc:
+            if self._strict:
+                raise
+            self._graph, self._disabled = None, True
+            warnings.warn(
+                f"fsg: capturing the step as a CUDA graph failed ({type(exc).__name__}: {exc}); the step "
+                f"runs without graph replay from now on. Pass cuda_graph=False to skip the attempt, "
+                f"or cuda_graph=True to make this an error.",
+                CudaGraphWarning,
+                stacklevel=3,
+            )
         return outputs
 
     def _capture(self, inputs, key) -> None:
-        self._batch = [torch.empty_like(x) for x in inputs[self._num_state :]]
+        # the same strides (not just shapes): the compiled step guards on them
+        batch = inputs[self._num_state :]
+        self._batch = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in batch]
         for buf, x in zip(self._batch, inputs[self._num_state :]):
             buf.copy_(x)
         self._graph = None  # release an old graph's pool before capturing a new one

@@ -65,3 +65,7 @@ class CheckpointError(FsgError):
 
 class ShardingFallbackWarning(UserWarning):
     """An op could not run on its inputs' placements and ran replicated (after gathers)."""
+
+
+class CudaGraphWarning(UserWarning):
+    """The compiled step could not be captured as a CUDA graph and runs without replay."""

@@ -286,7 +286,7 @@ class Step:
         built = self._build(state, batch)
         fn = backend_lib.compile_graph(built.graph, self._backend)
         if self._graph_replay(state, batch):
-            fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves)
+            fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves, strict=bool(self._cuda_graph))
         compiled = built._replace(fn=fn)
         self._cache[signature] = compiled
         self._structure = (signature.state_def, signature.batch_def)

@@ -30,7 +30,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b1, b2, eps):
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps):
     bias1 = tl.load(bias_ptr)
     bias2 = tl.load(bias_ptr + 1)
     neg_lr = -tl.load(lr_ptr).to(tl.float32)
@@ -38,8 +38,8 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = b1 * m + (1.0 - b1) * g
-    v = b2 * v + (1.0 - b2) * g * g
+    m = b1 * m + omb1 * g  # omb = 1 - b, computed in double on the host as the traced math does:
+    v = b2 * v + omb2 * g * g  # 1 - b2 in float32 is off by 1e-5 relative for b2=0.999
     u = (m / bias1) / (tl.sqrt(v / bias2) + eps) + wd * p
     p = p + neg_lr * u
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
@@ -61,6 +61,8 @@ def _adamw_multi_tensor_kernel(
     lr_ptr,
     b1,
     b2,
+    omb1,
+    omb2,
     eps,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -76,13 +78,15 @@ def _adamw_multi_tensor_kernel(
     m_ptr = tl.load(m_addrs + i).to(tl.pointer_type(S_DTYPE))
     v_ptr = tl.load(v_addrs + i).to(tl.pointer_type(S_DTYPE))
     wd = tl.load(wds + i)
-    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b1, b2, eps)
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps)
 
 
 @triton.jit
-def _adamw_tensor_kernel(p_ptr, g_ptr, m_ptr, v_ptr, numel, wd, bias_ptr, lr_ptr, b1, b2, eps, BLOCK: tl.constexpr):
+def _adamw_tensor_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, numel, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, wd, bias_ptr, lr_ptr, b1, b2, eps)
+    _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -125,7 +129,7 @@ def bias_corrections(count: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
 
 def launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK) -> None:
     """The same update as ``launch``, one launch per tensor (no device tables: capturable)."""
-    consts = (bias_corrections(count, b1, b2), lr, b1, b2, eps)
+    consts = (bias_corrections(count, b1, b2), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     for p, g, m, v, wd in zip(params, grads, mus, nus, wds):
         _adamw_tensor_kernel[(triton.cdiv(p.numel(), block),)](p, g, m, v, p.numel(), wd, *consts, BLOCK=block)
 
@@ -139,7 +143,7 @@ def launch(
     if graph_safe_launch(params[0]):
         launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block)
         return
-    consts = (bias_corrections(count, b1, b2), lr, b1, b2, eps)
+    consts = (bias_corrections(count, b1, b2), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     key = _key(params, grads, mus, nus, wds, block)
     tables = _TABLES.get(key)
     if tables is None:
