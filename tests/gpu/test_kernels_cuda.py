@@ -98,5 +98,7 @@ def test_compiled_step_on_cuda_uses_the_fused_optimizer_by_default():
     for _ in range(5):
         state, _ = step(state, batch)
         plain_state, _ = plain(plain_state, batch)
+    # 5e-5: Inductor's CUDA code for the traced update rounds differently (on an H200 the traced
+    # Inductor step itself was 1.2e-5 away from the same step under aot_eager after 5 steps)
     for a, b in zip(fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(plain_state)[0]):
-        assert rel(a, b) < 1e-5
+        assert rel(a, b) < 5e-5

@@ -9,11 +9,26 @@ import os
 import torch
 import triton
 
+_CPU_INTERPRETER = contextvars.ContextVar("fsg_cpu_interpreter", default=False)
+
+
+@contextlib.contextmanager
+def cpu_interpreter():
+    """Within this context, kernels on CPU tensors run in Triton's interpreter (when
+    ``TRITON_INTERPRET=1`` was set before triton was imported): how the CPU tests check the
+    kernels. Outside it CPU tensors take the eager reference, which is far faster."""
+    token = _CPU_INTERPRETER.set(True)
+    try:
+        yield
+    finally:
+        _CPU_INTERPRETER.reset(token)
+
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether to launch the Triton kernel for ``x``: on CUDA, and on CPU under Triton's
-    interpreter (``TRITON_INTERPRET=1``, the CPU tests); otherwise the eager reference runs."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether to launch the Triton kernel for ``x``: on CUDA, and on CPU inside
+    ``cpu_interpreter()`` under ``TRITON_INTERPRET=1`` (the CPU tests); otherwise the eager
+    reference runs."""
+    return x.is_cuda or (_CPU_INTERPRETER.get() and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 class RowTiling:
