@@ -1,0 +1,118 @@
+"""Data-parallel GPT-2 train step on several GPUs: fsg on a ``dp`` mesh beside DDP.
+
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp
+
+Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
+--batch sequences of 1024 tokens per GPU. fsg: ``fsg.compile_step`` on
+``fsg.Mesh({"dp": world})`` (the batch is sharded on dim 0, gradients all-reduced in the one
+graph). ddp: ``DDP(torch.compile(model))`` with autocast and ``AdamW(fused=True)``. Rank 0
+prints one JSON line: mean step time over --steps after --warmup steps, global tokens/s,
+per-GPU peak memory, and the first call's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fsg  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 128)}
+LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=["fsg", "ddp"], required=True)
+    parser.add_argument("--model", choices=sorted(MODELS), default="124m")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per GPU")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
+    rank, world, dev = dist.get_rank(), dist.get_world_size(), info.device
+    layers, heads, dim = MODELS[args.model]
+    cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dev)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 50304, (args.batch * world, args.seq + 1), generator=g) for _ in range(4)]
+
+    if args.impl == "fsg":
+        mesh = fsg.Mesh({"dp": world}, device_type=dev.type)
+        step = fsg.compile_step(
+            lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
+            mesh,
+            optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+            precision=fsg.Policy(compute=torch.bfloat16),
+        )
+        state = [step.init(fsg.params(model))]
+        for p in model.parameters():
+            p.data = torch.empty(0, device=dev)
+        batches = [{"x": d[:, :-1].to(dev), "y": d[:, 1:].to(dev)} for d in data]  # global; each rank keeps its rows
+
+        def run(i):
+            state[0], metrics = step(state[0], batches[i % 4])
+            return metrics["loss"]
+
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        cuda = dev.type == "cuda"
+        ddp = DDP(torch.compile(model), device_ids=[dev.index] if cuda else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+        rows = slice(rank * args.batch, (rank + 1) * args.batch)
+        batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
+
+        def run(i):
+            x, y = batches[i % 4]
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = ddp(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    first = float(run(0))
+    compile_s = time.perf_counter() - t0
+    for i in range(1, args.warmup):
+        run(i)
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = run(i)
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    if rank == 0:
+        out = {
+            "impl": args.impl,
+            "world": world,
+            "ms": ms,
+            "tokens_per_s": args.batch * world * args.seq / ms * 1e3,
+            "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+            "compile_s": compile_s,
+            "first_loss": first,
+            "last_loss": float(loss),
+            "torch": torch.__version__,
+        }
+        print("RESULT " + json.dumps(out), flush=True)
+    fsg.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
