@@ -231,7 +231,8 @@ def run_jax(args) -> dict:
     return {
         "ms": ms,
         "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2**30,
-        "reserved_gib": stats.get("peak_bytes_reserved", stats.get("bytes_reserved", float("nan"))) / 2**30,
+        # XLA reports no reserved peak on this stack (bytes_reserved reads 0): leave it empty
+        "reserved_gib": stats["peak_bytes_reserved"] / 2**30 if stats.get("peak_bytes_reserved") else float("nan"),
         "compile_s": compile_s,
         "first_loss": first,
         "last_loss": float(loss),
