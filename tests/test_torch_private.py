@@ -53,3 +53,9 @@ def test_fake_mode_and_dispatch_mode():
     assert y.shape == (2, 2)
     assert torch.ops.aten.mm.default in seen
     assert isinstance(torch.ops.aten.mm.default, _torch_private.OpOverload)
+
+
+def test_functional_collectives_have_the_signatures_the_overlap_pass_uses():
+    schema = _torch_private.ALL_REDUCE._schema
+    assert [a.name for a in schema.arguments] == ["input", "reduce_op", "group_name"]
+    assert [a.name for a in _torch_private.WAIT_TENSOR._schema.arguments] == ["tensor"]

@@ -17,10 +17,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "ALL_REDUCE",
     "DATA_DEPENDENT_ERRORS",
     "HOST_SYNC_OPS",
     "OpOverload",
     "TorchDispatchMode",
+    "WAIT_TENSOR",
     "fake_mode",
     "trace_fake",
 ]
@@ -35,6 +37,12 @@ DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
 # Ops that bring a tensor's value to the host; torch 2.13 records ``.item()`` as this node
 # rather than raising.
 HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
+
+
+# The functional collectives stage 2 emits (DTensor lowers redistributions to them); the
+# overlap pass rewrites the gradient all-reduces among them.
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor) -> torch.fx.GraphModule:

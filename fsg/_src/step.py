@@ -17,7 +17,7 @@ import optree
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, cudagraph, fusion, markers, placement, purity, spmd, tree
+from fsg._src import _torch_private, cudagraph, fusion, markers, overlap, placement, purity, spmd, tree
 from fsg._src import backend as backend_lib
 from fsg._src import trace as trace_lib
 from fsg._src.errors import (
@@ -101,8 +101,10 @@ class Step:
         accum_steps: int = 1,
         fused_optimizer: bool | None = None,
         cuda_graph: bool | None = None,
+        bucket_mb: float | None = overlap.DEFAULT_BUCKET_MB,
     ):
         backend_lib.check_backend(backend)
+        self._bucket_mb = bucket_mb
         self._cuda_graph = cuda_graph
         if fused_optimizer and mesh is not None and mesh.size > 1:
             raise UnsupportedError(
@@ -242,6 +244,8 @@ class Step:
             if where is None:
                 raise
             raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
+        if self._bucket_mb:  # stage 3: bucket gradient all-reduces, issue them early
+            overlap.bucket_all_reduces(local, self._bucket_mb)
         return _Compiled(traced, local, None, plan)
 
     def _fuse_optimizer(self, state: Any) -> bool:
@@ -355,6 +359,7 @@ def compile_step(
     strict: bool = False,
     fused_optimizer: bool | None = None,
     cuda_graph: bool | None = None,
+    bucket_mb: float | None = 25.0,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -394,6 +399,10 @@ def compile_step(
         state and batch are on CUDA, on one device, with ``donate=True``; ``True``: raise if
         it cannot; ``False``: never. The batch is copied into the graph's own buffers; a
         state in other storages (a restored checkpoint) is captured again.
+      bucket_mb: on a mesh, pack gradient all-reduces into buckets of at most this many MiB
+        and issue each as soon as its last gradient is computed, so that reductions overlap
+        the rest of the backward (as DDP's ``bucket_cap_mb``); ``None`` or 0: one all-reduce
+        per gradient, after the backward.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -423,4 +432,5 @@ def compile_step(
         accum_steps=accum_steps,
         fused_optimizer=fused_optimizer,
         cuda_graph=cuda_graph,
+        bucket_mb=bucket_mb,
     )

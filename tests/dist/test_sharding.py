@@ -59,7 +59,7 @@ def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
 
 
 def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ranks):
-    table, param_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "dp")[0]
+    table, param_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "dp", "mlp", None)[0]
     # One all-reduce per gradient (4 params) plus the 4-byte loss metric; no gathers: no
     # collective touches an activation, so none happens in the forward pass.
     assert table == [("all_reduce", "dp", sum(param_bytes) + 4, len(param_bytes) + 1)]
@@ -124,3 +124,14 @@ def test_gradient_accumulation_on_a_mesh_matches_and_moves_no_batch_data(ranks):
     kinds = ranks(2).run(workers.check_accumulation, {"dp": 2}, "dp")[0]
     assert kinds == ["all_reduce"]  # splitting the sharded batch into microbatches is local
     ranks(2).run(workers.check_accumulation, {"dp": 2}, "fsdp")
+
+
+def test_bucketing_packs_gradient_all_reduces_and_issues_them_during_the_backward(ranks):
+    one_bucket = ranks(2).run(workers.bucketed_data_parallel, 25.0)[0]
+    # all gradients in one all-reduce, plus the loss metric (an average, never packed with sums)
+    assert one_bucket["table"] == [("all_reduce", "dp", one_bucket["param_bytes"] + 4, 2)]
+    small = ranks(2).run(workers.bucketed_data_parallel, 0.02)[0]  # ~20 KB: several buckets
+    count = small["table"][0][3]
+    assert 2 < count < 9  # 8 params: fewer collectives than tensors, more than one bucket
+    # the first bucket is reduced while backward matmuls remain (overlap on NCCL)
+    assert small["first_grad_all_reduce"] < small["last_matmul"]

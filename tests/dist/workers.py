@@ -82,8 +82,9 @@ def check_gpt_preset(axes: dict, preset: str) -> float:
     return 0.0
 
 
-def collectives_of(axes: dict, preset: str, model_name: str = "mlp") -> list[tuple]:
-    """The collectives table of one step, and the local bytes of each param."""
+def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=None) -> list[tuple]:
+    """The collectives table of one step (one all-reduce per gradient unless ``bucket_mb``),
+    and the local bytes of each param."""
     mesh = fsg.testing.mesh(axes)
     if model_name == "tp_mlp":
         torch.manual_seed(0)
@@ -100,7 +101,7 @@ def collectives_of(axes: dict, preset: str, model_name: str = "mlp") -> list[tup
         batch_spec = fsg.P("dp")
     step = fsg.compile_step(
         mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules,
-        batch_sharding=batch_spec, backend="aot_eager",
+        batch_sharding=batch_spec, backend="aot_eager", bucket_mb=bucket_mb,
     )  # fmt: skip
     state = step.init(fsg.params(model))
     table = [tuple(c) for c in step.lower(state, batch).collectives()]
@@ -273,3 +274,31 @@ def check_accumulation(axes: dict, preset: str) -> list[str]:
         accum_steps=2, backend="aot_eager",
     )  # fmt: skip
     return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
+
+
+def bucketed_data_parallel(bucket_mb: float) -> dict:
+    """A 4-layer MLP under data parallelism with ``bucket_mb``: the collectives table, where
+    the first gradient all-reduce sits in the local graph, and 3 steps against unsharded."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)]
+    model = nn.Sequential(*layers)
+    mesh = fsg.testing.mesh({"dp": 2})
+    step = fsg.compile_step(
+        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", bucket_mb=bucket_mb
+    )
+    batch = {"x": torch.randn(16, 16), "y": torch.randn(16, 4)}
+    state = step.init(fsg.params(model))
+    lowered = step.lower(state, batch)
+    nodes = list(lowered.graph_module.graph.nodes)
+    grads_ar = [i for i, n in enumerate(nodes) if "all_reduce" in str(n.target) and n.args[1] == "sum"]
+    matmuls = [i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
+    fsg.testing.assert_sharded_matches_unsharded(
+        mse_loss_fn(model), fsg.params(model), [batch] * 3, mesh, optimizer=fsg.optim.sgd(0.1, momentum=0.9),
+        batch_sharding=fsg.P("dp"), rtol=1e-4, atol=1e-5, bucket_mb=bucket_mb,
+    )  # fmt: skip
+    return {
+        "table": [tuple(c) for c in lowered.collectives()],
+        "first_grad_all_reduce": grads_ar[0],
+        "last_matmul": matmuls[-1],
+        "param_bytes": sum(p.numel() * 4 for p in fsg.params(model).values()),
+    }

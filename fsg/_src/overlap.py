@@ -1,0 +1,152 @@
+"""Stage 3 pass on a per-rank graph: bucket gradient all-reduces and issue them early.
+
+Stage 2 emits one ``all_reduce`` per gradient where the gradient is marked, after the whole
+backward, each followed at once by its ``wait_tensor``: nothing overlaps, and small tensors
+pay a collective's latency each. This pass walks the all-reduces in the order their inputs
+become ready (the backward computes the last layer's gradients first), packs consecutive ones
+of one dtype, reduce op and process group into buckets of at most ``bucket_bytes``
+(``cat`` -> one ``all_reduce`` -> ``split``), places each bucket's collective right after its
+last input is computed, and its wait right before the first use of any result. Collectives
+are asynchronous on NCCL, so a bucket reduces while the rest of the backward runs.
+
+A bucket never holds an all-reduce whose input depends on an earlier member's result (tensor
+parallel's forward all-reduces do): it is closed before such a member, so the rewrite keeps
+every dependency. The sums are elementwise, so the result is the same as one collective per
+tensor.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+_aten = torch.ops.aten
+_VIEWS = frozenset(
+    {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
+     _aten.transpose.int, _aten.squeeze.dim, _aten.unsqueeze.default, _aten.alias.default, _aten.detach.default}
+)  # fmt: skip
+
+
+def _hoist_views(node: fx.Node) -> None:
+    """Moves the chain of view ops that ends in ``node`` right after the op that produced its
+    data: stage 2 emits those views where the gradient is marked, after the whole backward,
+    which would pin the collective there too."""
+    chain = []
+    while (
+        node.op == "call_function"
+        and node.target in _VIEWS
+        and isinstance(node.args[0], fx.Node)
+        and not any(isinstance(a, fx.Node) for a in node.args[1:])
+        and not node.kwargs
+    ):
+        chain.append(node)
+        node = node.args[0]
+    if node.op == "placeholder":
+        return
+    for view in reversed(chain):
+        node.append(view)
+        node = view
+
+
+def _value(node: fx.Node) -> torch.Tensor | None:
+    value = node.meta.get("val")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+class _Item:
+    def __init__(self, collective: fx.Node, wait: fx.Node, order: dict):
+        self.collective, self.wait = collective, wait
+        self.input = collective.args[0]
+        self.value = _value(self.input)
+        self.ready = order[self.input]
+        self.first_use = min(order[u] for u in wait.users) if wait.users else len(order)
+        self.key = (self.value.dtype, self.value.device, collective.args[1], collective.args[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.numel() * self.value.element_size()
+
+
+def _items(graph: fx.Graph, order: dict) -> list[_Item]:
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not _torch_private.ALL_REDUCE:
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or _value(node.args[0]) is None:
+            continue
+        found.append(_Item(node, users[0], order))
+    return sorted(found, key=lambda item: item.ready)
+
+
+def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
+    buckets: list[list[_Item]] = []
+    for item in items:
+        current = buckets[-1] if buckets else None
+        fits = (
+            current is not None
+            and current[0].key == item.key
+            and sum(i.nbytes for i in current) + item.nbytes <= bucket_bytes
+            # every result of the bucket is used only after this member's input exists
+            and min(i.first_use for i in current) > item.ready
+        )
+        if fits:
+            current.append(item)
+        else:
+            buckets.append([item])
+    return buckets
+
+
+def _rewrite(graph: fx.Graph, bucket: list[_Item], nodes: list[fx.Node]) -> None:
+    order = {n: k for k, n in enumerate(nodes)}
+    last_input = max((i.input for i in bucket), key=order.__getitem__)
+    first_use = min((u for i in bucket for u in i.wait.users), key=order.__getitem__, default=None)
+    if len(bucket) == 1:  # nothing to pack: issue it early, wait late
+        item = bucket[0]
+        item.input.append(item.collective)
+        if first_use is not None:
+            first_use.prepend(item.wait)
+        return
+    _, reduce_op, group = bucket[0].collective.args
+    dtype = bucket[0].value.dtype
+    sizes = [i.value.numel() for i in bucket]
+    with graph.inserting_before(last_input.next):  # in creation order, right after the last input
+        flats = [graph.call_function(torch.ops.aten.reshape.default, (i.input, [-1])) for i in bucket]
+        flat = graph.call_function(torch.ops.aten.cat.default, (flats,))
+        flat.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
+        reduced = graph.call_function(_torch_private.ALL_REDUCE, (flat, reduce_op, group))
+    anchor = first_use if first_use is not None else bucket[-1].wait
+    with graph.inserting_before(anchor):
+        done = graph.call_function(_torch_private.WAIT_TENSOR, (reduced,))
+        pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (done, sizes))
+        for k, item in enumerate(bucket):
+            piece = graph.call_function(operator.getitem, (pieces, k))
+            shaped = graph.call_function(torch.ops.aten.view.default, (piece, list(item.value.shape)))
+            shaped.meta["val"] = item.value
+            item.wait.replace_all_uses_with(shaped)
+    for item in bucket:
+        graph.erase_node(item.wait)
+        graph.erase_node(item.collective)
+
+
+def bucket_all_reduces(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
+    """Rewrites ``gm`` in place as the module docstring says; returns the number of
+    all-reduces left of those it found (one per bucket)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is _torch_private.ALL_REDUCE:
+            _hoist_views(node.args[0])
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    items = _items(gm.graph, order)
+    buckets = _buckets(items, int(bucket_mb * 2**20))
+    for bucket in buckets:
+        _rewrite(gm.graph, bucket, list(gm.graph.nodes))
+    gm.graph.lint()
+    gm.recompile()
+    return len(buckets)
