@@ -59,3 +59,4 @@ def test_functional_collectives_have_the_signatures_the_overlap_pass_uses():
     schema = _torch_private.ALL_REDUCE._schema
     assert [a.name for a in schema.arguments] == ["input", "reduce_op", "group_name"]
     assert [a.name for a in _torch_private.WAIT_TENSOR._schema.arguments] == ["tensor"]
+    assert _torch_private.REDUCE_SCATTER._schema.arguments[0].name == "input"

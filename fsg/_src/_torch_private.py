@@ -21,6 +21,7 @@ __all__ = [
     "DATA_DEPENDENT_ERRORS",
     "HOST_SYNC_OPS",
     "OpOverload",
+    "REDUCE_SCATTER",
     "TorchDispatchMode",
     "WAIT_TENSOR",
     "fake_mode",
@@ -42,6 +43,7 @@ HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
 # The functional collectives stage 2 emits (DTensor lowers redistributions to them); the
 # overlap pass rewrites the gradient all-reduces among them.
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 

@@ -1,5 +1,7 @@
 """Stage 3 pass on a per-rank graph: bucket gradient all-reduces and issue them early.
 
+(FSDP's gradient reduce-scatters are issued early too, one by one.)
+
 Stage 2 emits one ``all_reduce`` per gradient where the gradient is marked, after the whole
 backward, each followed at once by its ``wait_tensor``: nothing overlaps, and small tensors
 pay a collective's latency each. This pass walks the all-reduces in the order their inputs
@@ -25,6 +27,7 @@ from torch import fx
 from fsg._src import _torch_private
 
 DEFAULT_BUCKET_MB = 25.0
+_COLLECTIVES = (_torch_private.ALL_REDUCE, _torch_private.REDUCE_SCATTER)
 
 
 _aten = torch.ops.aten
@@ -67,7 +70,10 @@ class _Item:
         self.value = _value(self.input)
         self.ready = order[self.input]
         self.first_use = min(order[u] for u in wait.users) if wait.users else len(order)
-        self.key = (self.value.dtype, self.value.device, collective.args[1], collective.args[2])
+        if collective.target is _torch_private.ALL_REDUCE:
+            self.key = (self.value.dtype, self.value.device, collective.args[1], collective.args[2])
+        else:  # a reduce-scatter: issued early, never packed (its shards would interleave)
+            self.key = ("reduce_scatter", id(collective))
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +83,7 @@ class _Item:
 def _items(graph: fx.Graph, order: dict) -> list[_Item]:
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not _torch_private.ALL_REDUCE:
+        if node.op != "call_function" or node.target not in _COLLECTIVES:
             continue
         users = list(node.users)
         if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or _value(node.args[0]) is None:
@@ -94,8 +100,10 @@ def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
             current is not None
             and current[0].key == item.key
             and sum(i.nbytes for i in current) + item.nbytes <= bucket_bytes
-            # every result of the bucket is used only after this member's input exists
+            # every result of the bucket is used only after this member's input exists (so
+            # the input cannot depend on a result; a result itself is not a "use")
             and min(i.first_use for i in current) > item.ready
+            and item.input not in {i.wait for i in current}
         )
         if fits:
             current.append(item)
@@ -106,6 +114,8 @@ def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
 
 def _rewrite(graph: fx.Graph, bucket: list[_Item], nodes: list[fx.Node]) -> None:
     order = {n: k for k, n in enumerate(nodes)}
+    for item in bucket:  # an earlier rewrite may have replaced an input (a reduced result)
+        item.input = item.collective.args[0]
     last_input = max((i.input for i in bucket), key=order.__getitem__)
     first_use = min((u for i in bucket for u in i.wait.users), key=order.__getitem__, default=None)
     if len(bucket) == 1:  # nothing to pack: issue it early, wait late
@@ -138,9 +148,9 @@ def _rewrite(graph: fx.Graph, bucket: list[_Item], nodes: list[fx.Node]) -> None
 
 def bucket_all_reduces(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
     """Rewrites ``gm`` in place as the module docstring says; returns the number of
-    all-reduces left of those it found (one per bucket)."""
+    collectives left of those it handled (one per bucket)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is _torch_private.ALL_REDUCE:
+        if node.op == "call_function" and node.target in _COLLECTIVES:
             _hoist_views(node.args[0])
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     items = _items(gm.graph, order)

@@ -135,3 +135,8 @@ def test_bucketing_packs_gradient_all_reduces_and_issues_them_during_the_backwar
     assert 2 < count < 9  # 8 params: fewer collectives than tensors, more than one bucket
     # the first bucket is reduced while backward matmuls remain (overlap on NCCL)
     assert small["first_grad_all_reduce"] < small["last_matmul"]
+
+
+def test_fsdp_reduce_scatters_are_issued_during_the_backward(ranks):
+    out = ranks(2).run(workers.bucketed_data_parallel, 25.0, "fsdp")[0]
+    assert out["first_grad_all_reduce"] < out["last_matmul"]  # the first reduce-scatter

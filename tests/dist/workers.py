@@ -276,25 +276,29 @@ def check_accumulation(axes: dict, preset: str) -> list[str]:
     return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
 
 
-def bucketed_data_parallel(bucket_mb: float) -> dict:
-    """A 4-layer MLP under data parallelism with ``bucket_mb``: the collectives table, where
-    the first gradient all-reduce sits in the local graph, and 3 steps against unsharded."""
+def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
+    """A 4-layer MLP under data parallelism (or FSDP) with ``bucket_mb``: the collectives
+    table, where the first gradient collective sits in the local graph, and 3 steps against
+    unsharded."""
     torch.manual_seed(0)
     layers = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)]
     model = nn.Sequential(*layers)
     mesh = fsg.testing.mesh({"dp": 2})
+    rules = fsg.sharding.fsdp("dp") if preset == "fsdp" else None
     step = fsg.compile_step(
-        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", bucket_mb=bucket_mb
-    )
+        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", bucket_mb=bucket_mb,
+        param_sharding=rules,
+    )  # fmt: skip
     batch = {"x": torch.randn(16, 16), "y": torch.randn(16, 4)}
     state = step.init(fsg.params(model))
     lowered = step.lower(state, batch)
     nodes = list(lowered.graph_module.graph.nodes)
-    grads_ar = [i for i, n in enumerate(nodes) if "all_reduce" in str(n.target) and n.args[1] == "sum"]
+    kind = "reduce_scatter" if preset == "fsdp" else "all_reduce"
+    grads_ar = [i for i, n in enumerate(nodes) if kind in str(n.target) and n.args[1] == "sum"]
     matmuls = [i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
     fsg.testing.assert_sharded_matches_unsharded(
         mse_loss_fn(model), fsg.params(model), [batch] * 3, mesh, optimizer=fsg.optim.sgd(0.1, momentum=0.9),
-        batch_sharding=fsg.P("dp"), rtol=1e-4, atol=1e-5, bucket_mb=bucket_mb,
+        param_sharding=rules, batch_sharding=fsg.P("dp"), rtol=1e-4, atol=1e-5, bucket_mb=bucket_mb,
     )  # fmt: skip
     return {
         "table": [tuple(c) for c in lowered.collectives()],
