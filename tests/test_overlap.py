@@ -62,3 +62,27 @@ def test_reduce_ops_and_bucket_size_split_buckets():
     gm = fx.GraphModule(torch.nn.Module(), graph)
     # placeholders are their own producers: buckets of 2 KiB hold two sums each, the avg apart
     assert overlap.bucket_all_reduces(gm, bucket_mb=2 / 1024) == 3
+
+
+def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
+    graph = fx.Graph()
+    a, b = _placeholder(graph, "a", (4, 3)), _placeholder(graph, "b", (2,))
+    outs = []
+    for x in (a, b):
+        scattered = graph.call_function(_torch_private.REDUCE_SCATTER, (x, "sum", 2, "group0"))
+        outs.append(graph.call_function(WAIT, (scattered,)))
+    graph.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert overlap.bucket_all_reduces(gm) == 1
+    (packed,) = [n for n in gm.graph.nodes if n.target is _torch_private.REDUCE_SCATTER]
+    assert packed.args[0].target is torch.ops.aten.cat.default and packed.args[0].args[1] == 1
+    assert [list(r.args[1]) for r in packed.args[0].args[0]] == [[2, -1], [2, -1]]
+    views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
+    assert [list(v.args[1]) for v in views] == [[2, 3], [1]]
+    # run it with a stand-in collective on 2 "ranks": rank r must get rows r of each input
+    x_a, x_b = torch.arange(12.0).reshape(4, 3), torch.tensor([100.0, 200.0])
+    rows = torch.cat([x_a.reshape(2, -1), x_b.reshape(2, -1)], 1)
+    for rank in range(2):
+        flat = rows[rank].reshape(-1)
+        got_a, got_b = (p.view(s) for p, s in zip(flat.split([6, 1]), ([2, 3], [1])))
+        assert torch.equal(got_a, x_a[2 * rank : 2 * rank + 2]) and torch.equal(got_b, x_b[rank : rank + 1])

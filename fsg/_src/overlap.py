@@ -1,6 +1,8 @@
-"""Stage 3 pass on a per-rank graph: bucket gradient all-reduces and issue them early.
+"""Stage 3 pass on a per-rank graph: bucket gradient collectives and issue them early.
 
-(FSDP's gradient reduce-scatters are issued early too, one by one.)
+Gradient all-reduces (data parallel) and reduce-scatters (FSDP) are handled alike; a bucket of
+reduce-scatters lays each gradient out as ``[W, n / W]`` rows so that every rank still gets
+exactly its shards.
 
 Stage 2 emits one ``all_reduce`` per gradient where the gradient is marked, after the whole
 backward, each followed at once by its ``wait_tensor``: nothing overlaps, and small tensors
@@ -70,10 +72,8 @@ class _Item:
         self.value = _value(self.input)
         self.ready = order[self.input]
         self.first_use = min(order[u] for u in wait.users) if wait.users else len(order)
-        if collective.target is _torch_private.ALL_REDUCE:
-            self.key = (self.value.dtype, self.value.device, collective.args[1], collective.args[2])
-        else:  # a reduce-scatter: issued early, never packed (its shards would interleave)
-            self.key = ("reduce_scatter", id(collective))
+        # what may share a bucket: the same collective, dtype, reduce op and process group
+        self.key = (collective.target, self.value.dtype, self.value.device, *collective.args[1:])
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +124,9 @@ def _rewrite(graph: fx.Graph, bucket: list[_Item], nodes: list[fx.Node]) -> None
         if first_use is not None:
             first_use.prepend(item.wait)
         return
+    if bucket[0].collective.target is _torch_private.REDUCE_SCATTER:
+        _rewrite_reduce_scatter(graph, bucket, last_input, first_use)
+        return
     _, reduce_op, group = bucket[0].collective.args
     dtype = bucket[0].value.dtype
     sizes = [i.value.numel() for i in bucket]
@@ -140,6 +143,34 @@ def _rewrite(graph: fx.Graph, bucket: list[_Item], nodes: list[fx.Node]) -> None
             piece = graph.call_function(operator.getitem, (pieces, k))
             shaped = graph.call_function(torch.ops.aten.view.default, (piece, list(item.value.shape)))
             shaped.meta["val"] = item.value
+            item.wait.replace_all_uses_with(shaped)
+    for item in bucket:
+        graph.erase_node(item.wait)
+        graph.erase_node(item.collective)
+
+
+def _rewrite_reduce_scatter(graph: fx.Graph, bucket: list[_Item], last_input: fx.Node, first_use) -> None:
+    """Packs reduce-scatters: each input seen as ``[W, n_i / W]`` (rank r's shard is row r),
+    concatenated along dim 1, so that one reduce-scatter hands rank r the concatenation of
+    its shards, which a split and a view per tensor take apart."""
+    _, reduce_op, world, group = bucket[0].collective.args
+    dtype = bucket[0].value.dtype
+    sizes = [i.value.numel() // world for i in bucket]
+    with graph.inserting_before(last_input.next):
+        rows = [graph.call_function(torch.ops.aten.reshape.default, (i.input, [world, -1])) for i in bucket]
+        packed = graph.call_function(torch.ops.aten.cat.default, (rows, 1))
+        packed.meta["val"] = torch.empty(world, sum(sizes), dtype=dtype, device="meta")
+        reduced = graph.call_function(_torch_private.REDUCE_SCATTER, (packed, reduce_op, world, group))
+    anchor = first_use if first_use is not None else bucket[-1].wait
+    with graph.inserting_before(anchor):
+        done = graph.call_function(_torch_private.WAIT_TENSOR, (reduced,))
+        flat = graph.call_function(torch.ops.aten.reshape.default, (done, [-1]))
+        pieces = graph.call_function(torch.ops.aten.split_with_sizes.default, (flat, sizes))
+        for k, item in enumerate(bucket):
+            shape = [item.value.shape[0] // world, *item.value.shape[1:]]
+            piece = graph.call_function(operator.getitem, (pieces, k))
+            shaped = graph.call_function(torch.ops.aten.view.default, (piece, shape))
+            shaped.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
             item.wait.replace_all_uses_with(shaped)
     for item in bucket:
         graph.erase_node(item.wait)

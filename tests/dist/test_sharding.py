@@ -137,6 +137,10 @@ def test_bucketing_packs_gradient_all_reduces_and_issues_them_during_the_backwar
     assert small["first_grad_all_reduce"] < small["last_matmul"]
 
 
-def test_fsdp_reduce_scatters_are_issued_during_the_backward(ranks):
-    out = ranks(2).run(workers.bucketed_data_parallel, 25.0, "fsdp")[0]
-    assert out["first_grad_all_reduce"] < out["last_matmul"]  # the first reduce-scatter
+def test_fsdp_reduce_scatters_are_packed_and_issued_during_the_backward(ranks):
+    one_bucket = ranks(2).run(workers.bucketed_data_parallel, 25.0, "fsdp")[0]
+    rows = {kind: (nbytes, count) for kind, axis, nbytes, count in one_bucket["table"]}
+    assert rows["reduce_scatter_tensor"] == (one_bucket["param_bytes"], 1)  # all 8 gradients at once
+    small = ranks(2).run(workers.bucketed_data_parallel, 0.02, "fsdp")[0]
+    assert 1 < dict((k, c) for k, _, _, c in small["table"])["reduce_scatter_tensor"] < 8
+    assert small["first_grad_all_reduce"] < small["last_matmul"]  # the first reduce-scatter
