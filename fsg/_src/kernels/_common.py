@@ -8,20 +8,16 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 _CPU_INTERPRETER = contextvars.ContextVar("fsg_cpu_interpreter", default=False)
 
 
-@contextlib.contextmanager
 def cpu_interpreter():
     """Within this context, kernels on CPU tensors run in Triton's interpreter (when
     ``TRITON_INTERPRET=1`` was set before triton was imported): how the CPU tests check the
     kernels. Outside it CPU tensors take the eager reference, which is far faster."""
-    token = _CPU_INTERPRETER.set(True)
-    try:
-        yield
-    finally:
-        _CPU_INTERPRETER.reset(token)
+    return _flag(_CPU_INTERPRETER)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -29,6 +25,16 @@ def use_triton(x: torch.Tensor) -> bool:
     ``cpu_interpreter()`` under ``TRITON_INTERPRET=1`` (the CPU tests); otherwise the eager
     reference runs."""
     return x.is_cuda or (_CPU_INTERPRETER.get() and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def row_tile(first_row, M, N, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``(rows, row_ok, mask, offs)`` of the tile of ``ROWS`` rows starting at ``first_row``
+    of a contiguous ``[M, N]`` tensor, ``BLOCK`` columns wide (int64 offsets)."""
+    rows = first_row.to(tl.int64) + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < M
+    return rows, row_ok, row_ok[:, None] & (cols < N)[None, :], rows[:, None] * N + cols[None, :]
 
 
 class RowTiling:
@@ -45,21 +51,25 @@ class RowTiling:
         self.programs = triton.cdiv(M, self.rows * self.iters)
 
 
+@contextlib.contextmanager
+def _flag(var: contextvars.ContextVar):
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 _PLAIN_MATH = contextvars.ContextVar("fsg_plain_math", default=False)
 
 
-@contextlib.contextmanager
 def plain_math():
     """Within this context ``fsg.nn`` traces its eager references instead of the fused ops.
 
     Stage 2 shards the traced graph with DTensor, which has sharding rules for torch's ops but
     not for fsg's opaque kernels; a step on a mesh is therefore traced in plain math.
     """
-    token = _PLAIN_MATH.set(True)
-    try:
-        yield
-    finally:
-        _PLAIN_MATH.reset(token)
+    return _flag(_PLAIN_MATH)
 
 
 def fused_ops_enabled() -> bool:
@@ -70,16 +80,11 @@ def fused_ops_enabled() -> bool:
 _CAPTURE_WARMUP = contextvars.ContextVar("fsg_capture_warmup", default=False)
 
 
-@contextlib.contextmanager
 def capture_warmup():
     """Marks the warm-up run before a CUDA-graph capture: kernels take the launch path they
     will take while capturing, so that every Triton kernel the capture needs is already built
     and loaded (building one during a capture is not allowed)."""
-    token = _CAPTURE_WARMUP.set(True)
-    try:
-        yield
-    finally:
-        _CAPTURE_WARMUP.reset(token)
+    return _flag(_CAPTURE_WARMUP)
 
 
 def graph_safe_launch(x: torch.Tensor) -> bool:

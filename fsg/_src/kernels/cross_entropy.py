@@ -30,9 +30,8 @@ BLOCK_V = 4096  # vocabulary columns per iteration of a row's loop
 
 
 @triton.jit
-def _ce_fwd_kernel(x_ptr, stride, t_ptr, loss_ptr, lse_ptr, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = x_ptr + row * stride
+def _row_lse(base, V: tl.constexpr, BLOCK: tl.constexpr):
+    """log-sum-exp of one row: a running max and sum per lane over vocabulary blocks."""
     cols = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], float("-inf"), tl.float32)  # running max per lane
     s = tl.zeros([BLOCK], tl.float32)  # running sum of exp(x - m) per lane
@@ -43,14 +42,38 @@ def _ce_fwd_kernel(x_ptr, stride, t_ptr, loss_ptr, lse_ptr, ignore_index, z_loss
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = m_new
     m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-    t = tl.load(t_ptr + row)
+    return m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+
+
+@triton.jit
+def _row_loss(base, t, lse, ignore_index, z_loss, V: tl.constexpr):
+    """``lse - x[t] + z lse^2``; 0 for an ignored row, NaN for a target outside [0, V)."""
     valid = t != ignore_index
     in_range = (t >= 0) & (t < V)
     x_t = tl.load(base + t, mask=valid & in_range, other=0.0).to(tl.float32)
     loss = tl.where(valid, lse - x_t + z_loss * lse * lse, 0.0)
-    loss = tl.where(valid & ~in_range, float("nan"), loss)
-    tl.store(loss_ptr + row, loss)
+    return tl.where(valid & ~in_range, float("nan"), loss)
+
+
+@triton.jit
+def _row_grad(src, dst, t, lse, scale, z_loss, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Writes ``(softmax (1 + 2 z lse) - onehot(t)) * scale`` of the row at ``src`` to ``dst``
+    (the same row is fine: each element is read before it is written)."""
+    cols = tl.arange(0, BLOCK)
+    coef = 1.0 + 2.0 * z_loss * lse
+    for start in range(0, V, BLOCK):
+        c = start + cols
+        x = tl.load(src + c, mask=c < V, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) * coef - tl.where(c == t, 1.0, 0.0)) * scale
+        tl.store(dst + c, g.to(dst.dtype.element_ty), mask=c < V)
+
+
+@triton.jit
+def _ce_fwd_kernel(x_ptr, stride, t_ptr, loss_ptr, lse_ptr, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    lse = _row_lse(base, V, BLOCK)
+    tl.store(loss_ptr + row, _row_loss(base, tl.load(t_ptr + row), lse, ignore_index, z_loss, V))
     tl.store(lse_ptr + row, lse)
 
 
@@ -59,16 +82,9 @@ def _ce_bwd_kernel(
     x_ptr, stride, t_ptr, lse_ptr, drow_ptr, dx_ptr, dstride, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
     t = tl.load(t_ptr + row)
-    lse = tl.load(lse_ptr + row)
     scale = tl.where(t != ignore_index, tl.load(drow_ptr + row), 0.0)
-    coef = 1.0 + 2.0 * z_loss * lse
-    for start in range(0, V, BLOCK):
-        c = start + cols
-        x = tl.load(x_ptr + row * stride + c, mask=c < V, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) * coef - tl.where(c == t, 1.0, 0.0)) * scale
-        tl.store(dx_ptr + row * dstride + c, g.to(dx_ptr.dtype.element_ty), mask=c < V)
+    _row_grad(x_ptr + row * stride, dx_ptr + row * dstride, t, tl.load(lse_ptr + row), scale, z_loss, V, BLOCK)
 
 
 @triton.jit
@@ -79,30 +95,11 @@ def _ce_fwd_bwd_kernel(
     (the second pass re-reads the row, mostly from L2)."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
-    cols = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.exp(x - shift)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
     t = tl.load(t_ptr + row)
-    valid = t != ignore_index
-    in_range = (t >= 0) & (t < V)
-    x_t = tl.load(base + t, mask=valid & in_range, other=0.0).to(tl.float32)
-    loss = tl.where(valid, lse - x_t + z_loss * lse * lse, 0.0)
-    tl.store(loss_ptr + row, tl.where(valid & ~in_range, float("nan"), loss))
-    scale = tl.where(valid, tl.load(drow_ptr + row), 0.0)
-    coef = 1.0 + 2.0 * z_loss * lse
-    for start in range(0, V, BLOCK):
-        c = start + cols
-        x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
-        g = (tl.exp(x - lse) * coef - tl.where(c == t, 1.0, 0.0)) * scale
-        tl.store(base + c, g.to(x_ptr.dtype.element_ty), mask=c < V)
+    lse = _row_lse(base, V, BLOCK)
+    tl.store(loss_ptr + row, _row_loss(base, t, lse, ignore_index, z_loss, V))
+    scale = tl.where(t != ignore_index, tl.load(drow_ptr + row), 0.0)
+    _row_grad(base, base, t, lse, scale, z_loss, V, BLOCK)
 
 
 # --- host launchers -----------------------------------------------------------------------

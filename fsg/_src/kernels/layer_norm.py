@@ -12,18 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import RowTiling, fused_ops_enabled, use_triton
+from fsg._src.kernels._common import RowTiling, fused_ops_enabled, row_tile, use_triton
 
 
 @triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows, row_ok, mask, offs = row_tile(tl.program_id(0) * ROWS, M, N, ROWS, BLOCK)
     cols = tl.arange(0, BLOCK)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offs = rows[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
@@ -47,10 +44,7 @@ def _layer_norm_bwd_kernel(
     dw = tl.zeros([BLOCK], tl.float32)
     db = tl.zeros([BLOCK], tl.float32)
     for it in range(ITERS):
-        rows = (pid.to(tl.int64) * ITERS + it) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]
+        rows, row_ok, mask, offs = row_tile((pid * ITERS + it) * ROWS, M, N, ROWS, BLOCK)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)

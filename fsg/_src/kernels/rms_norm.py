@@ -12,16 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import RowTiling, fused_ops_enabled, use_triton
+from fsg._src.kernels._common import RowTiling, fused_ops_enabled, row_tile, use_triton
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows, row_ok, mask, offs = row_tile(tl.program_id(0) * ROWS, M, N, ROWS, BLOCK)
     cols = tl.arange(0, BLOCK)
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offs = rows[:, None] * N + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
@@ -39,10 +36,7 @@ def _rms_norm_bwd_kernel(
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], tl.float32)
     for it in range(ITERS):
-        rows = (pid.to(tl.int64) * ITERS + it) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < M
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]
+        rows, row_ok, mask, offs = row_tile((pid * ITERS + it) * ROWS, M, N, ROWS, BLOCK)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
