@@ -200,7 +200,8 @@ class Step:
                 donate=self._donate,
                 precision=self._precision,
                 accum_steps=self._accum_steps,
-                keep_markers=fuse,
+                keep_markers=fuse,  # the fusion pass finds the gradients by their markers
+                mark_uses=False,
             )
             if fuse:  # stage 3: the fused AdamW kernel replaces the traced update
                 fusion.fuse_adamw(traced.graph_module, state, self._optimizer)
