@@ -35,7 +35,7 @@ def test_independent_gradients_share_one_bucket_and_keep_their_shapes():
     ra, rb = _reduce(graph, ga), _reduce(graph, gb)
     graph.output((graph.call_function(operator.add, (ra, 1.0)), graph.call_function(operator.add, (rb, 1.0))))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_all_reduces(gm) == 1
+    assert overlap.bucket_gradient_collectives(gm) == 1
     (reduced,) = _all_reduces(gm)
     assert reduced.args[0].target is torch.ops.aten.cat.default
     views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
@@ -50,7 +50,7 @@ def test_an_all_reduce_of_a_reduced_result_is_never_packed_with_it():
     second = _reduce(graph, first)  # e.g. reduce over one mesh axis, then another
     graph.output((second,))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_all_reduces(gm) == 2
+    assert overlap.bucket_gradient_collectives(gm) == 2
     gm.graph.lint()
 
 
@@ -61,7 +61,7 @@ def test_reduce_ops_and_bucket_size_split_buckets():
     graph.output(tuple(outs))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     # placeholders are their own producers: buckets of 2 KiB hold two sums each, the avg apart
-    assert overlap.bucket_all_reduces(gm, bucket_mb=2 / 1024) == 3
+    assert overlap.bucket_gradient_collectives(gm, bucket_mb=2 / 1024) == 3
 
 
 def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
@@ -73,7 +73,7 @@ def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
         outs.append(graph.call_function(WAIT, (scattered,)))
     graph.output(tuple(outs))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_all_reduces(gm) == 1
+    assert overlap.bucket_gradient_collectives(gm) == 1
     (packed,) = [n for n in gm.graph.nodes if n.target is _torch_private.REDUCE_SCATTER]
     assert packed.args[0].target is torch.ops.aten.cat.default and packed.args[0].args[1] == 1
     assert [list(r.args[1]) for r in packed.args[0].args[0]] == [[2, -1], [2, -1]]

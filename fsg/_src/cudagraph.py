@@ -88,7 +88,7 @@ class GraphedStep:
         # the same strides (not just shapes): the compiled step guards on them
         batch = inputs[self._num_state :]
         self._batch = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in batch]
-        for buf, x in zip(self._batch, inputs[self._num_state :]):
+        for buf, x in zip(self._batch, batch):
             buf.copy_(x)
         self._graph = None  # release an old graph's pool before capturing a new one
         graph = torch.cuda.CUDAGraph()

@@ -50,6 +50,25 @@ def adamw_spec(optimizer: Any) -> AdamWSpec | None:
     return _SPECS.get(optimizer.update)
 
 
+class _AdamWLeaves(NamedTuple):
+    """Where adamw's tensors sit among the flat state leaves."""
+
+    leaves: list
+    params: list[int]
+    mus: list[int]
+    nus: list[int]
+    count: int  # the Adam update count
+    learning_rate: int  # the learning rate of the last update
+
+
+def _adamw_leaves(state: Any) -> _AdamWLeaves:
+    leaves, state_def = tree.flatten(state)
+    index = tree.unflatten(state_def, list(range(len(leaves))))
+    adam, _, lr_state = index.opt_state  # chain(scale_by_adam, add_decayed_weights, scale_by_lr)
+    ids = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
+    return _AdamWLeaves(leaves, *ids, adam.count, lr_state.learning_rate)
+
+
 def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
     """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
     (``None`` when it can)."""
@@ -57,12 +76,10 @@ def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
         return "the optimizer is not fsg.optim.adamw (a chain around it is traced as math)"
     if not donate:
         return "donate=False (the fused kernel updates the state in place)"
-    leaves, state_def = tree.flatten(state)
-    index = tree.unflatten(state_def, list(range(len(leaves))))
-    adam = index.opt_state[0]
+    at = _adamw_leaves(state)
     names = tree.leaf_paths(state.params, "state.params")
-    for name, i, m, v in zip(names, *(tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))):
-        for t in (leaves[i], leaves[m], leaves[v]):
+    for name, i, m, v in zip(names, at.params, at.mus, at.nus):
+        for t in (at.leaves[i], at.leaves[m], at.leaves[v]):
             if t.dtype not in _FUSABLE_DTYPES:
                 return f"{name} has dtype {t.dtype} (the kernel takes float32, bfloat16, float16)"
             if not t.is_contiguous():
@@ -76,10 +93,8 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
     leaves it covers; raises ``UnsupportedError`` if the graph does not have the expected
     shape (the traced math is then left as it was)."""
     spec = adamw_spec(optimizer)
-    leaves, state_def = tree.flatten(state)
-    index = tree.unflatten(state_def, list(range(len(leaves))))
-    adam, _, lr_state = index.opt_state
-    p_ids, mu_ids, nu_ids = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
+    at = _adamw_leaves(state)
+    p_ids, mu_ids, nu_ids = at.params, at.mus, at.nus
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     copies = {
@@ -88,12 +103,12 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
         if n.op == "call_function" and n.target is _COPY and n.args[0].op == "placeholder"
     }
     grads = {n.args[1]: n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is markers.GRAD}
-    needed = [placeholders[i] for i in (*p_ids, *mu_ids, *nu_ids, adam.count)]
+    needed = [placeholders[i] for i in (*p_ids, *mu_ids, *nu_ids, at.count)]
     missing = [n.name for n in needed if n not in copies]
     if missing or sorted(grads) != list(range(len(p_ids))):
         raise UnsupportedError(f"fused AdamW: the traced update does not write {missing or 'every gradient'}")
-    lr_copy = copies.get(placeholders[lr_state.learning_rate])
-    lr = lr_copy.args[1] if lr_copy is not None else placeholders[lr_state.learning_rate]
+    lr_copy = copies.get(placeholders[at.learning_rate])
+    lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
     flags = tree.flatten(spec.mask(state.params) if callable(spec.mask) else spec.mask)[0] if spec.mask else None
     wds = [spec.weight_decay if flags is None or flags[k] else 0.0 for k in range(len(p_ids))]
     order = {n: k for k, n in enumerate(graph.nodes)}
@@ -106,7 +121,7 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
                 [grads[k] for k in range(len(p_ids))],
                 [placeholders[i] for i in mu_ids],
                 [placeholders[i] for i in nu_ids],
-                copies[placeholders[adam.count]].args[1],
+                copies[placeholders[at.count]].args[1],
                 lr,
                 spec.b1,
                 spec.b2,

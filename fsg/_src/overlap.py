@@ -177,7 +177,7 @@ def _rewrite_reduce_scatter(graph: fx.Graph, bucket: list[_Item], last_input: fx
         graph.erase_node(item.collective)
 
 
-def bucket_all_reduces(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
+def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
     """Rewrites ``gm`` in place as the module docstring says; returns the number of
     collectives left of those it handled (one per bucket)."""
     for node in list(gm.graph.nodes):

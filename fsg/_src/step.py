@@ -24,7 +24,6 @@ from fsg._src.errors import (
     RecompileError,
     RecompileWarning,
     ShardingRuleError,
-    StructureMismatchError,
     UnsupportedError,
 )
 from fsg._src.kernels._common import plain_math
@@ -32,19 +31,11 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.precision import Policy
 from fsg._src.sharding import Rules
+from fsg._src.signature import Signature, describe_change, structure_error
 from fsg._src.stages import Lowered
 from fsg._src.train_state import TrainState
 
 LossFn = trace_lib.LossFn
-
-
-class _Signature(NamedTuple):
-    """The abstract signature a compiled step is specialized on: the cache key."""
-
-    state_def: optree.PyTreeSpec
-    batch_def: optree.PyTreeSpec
-    state_specs: tuple[tree.LeafSpec, ...]
-    batch_specs: tuple[tree.LeafSpec, ...]
 
 
 class _Compiled(NamedTuple):
@@ -52,32 +43,6 @@ class _Compiled(NamedTuple):
     graph: Any  # the graph that was compiled: stage 1's, or stage 2's local graph on a mesh
     fn: Any  # stage 4: the compiled callable
     plan: spmd.ShardPlan | None
-
-
-def _describe_change(old: _Signature, new: _Signature, state: Any, batch: Any) -> str:
-    """Names the leaves whose abstract value changed between two signatures."""
-    changes = []
-    for root, tree_, old_specs, new_specs in (
-        ("state", state, old.state_specs, new.state_specs),
-        ("batch", batch, old.batch_specs, new.batch_specs),
-    ):
-        for path, a, b in zip(tree.leaf_paths(tree_, root), old_specs, new_specs):
-            if a != b:
-                changes.append(f"{path}: {a} -> {b}")
-    return "; ".join(changes) or "tree structure changed"
-
-
-def _structure_error(root: str, expected: optree.PyTreeSpec, got: Any) -> StructureMismatchError:
-    want = tree.leaf_paths(tree.unflatten(expected, [0] * expected.num_leaves), root)
-    have = tree.leaf_paths(got, root)
-    missing = sorted(set(want) - set(have))
-    extra = sorted(set(have) - set(want))
-    detail = f"missing {missing}, unexpected {extra}" if missing or extra else f"{expected} vs {tree.flatten(got)[1]}"
-    return StructureMismatchError(
-        f"{root} does not have the structure the step was compiled for: {detail}. Every call must "
-        f"pass a {root} with the same keys and nesting; shapes and dtypes may change (that "
-        f"recompiles), structure may not. Build a new step with compile_step for another structure."
-    )
 
 
 class Step:
@@ -124,9 +89,9 @@ class Step:
         self._backend = backend
         self._donate = donate
         self._strict = strict
-        self._cache: dict[_Signature, _Compiled] = {}
+        self._cache: dict[Signature, _Compiled] = {}
         self._structure: tuple[optree.PyTreeSpec, optree.PyTreeSpec] | None = None
-        self._last_signature: _Signature | None = None
+        self._last_signature: Signature | None = None
         self._last_state_leaves: list[torch.Tensor] = []
         self._last_state_specs: tuple[tree.LeafSpec, ...] = ()
 
@@ -168,14 +133,14 @@ class Step:
         )
         return state if self._mesh is None else placement.replicate_rest(state, self._mesh)
 
-    def _signature(self, state: Any, batch: Any) -> tuple[_Signature, list, list]:
+    def _signature(self, state: Any, batch: Any) -> tuple[Signature, list, list]:
         state_leaves, state_def = tree.flatten(state)
         batch_leaves, batch_def = tree.flatten(batch)
         if self._structure is not None:
             if state_def != self._structure[0]:
-                raise _structure_error("state", self._structure[0], state)
+                raise structure_error("state", self._structure[0], state)
             if batch_def != self._structure[1]:
-                raise _structure_error("batch", self._structure[1], batch)
+                raise structure_error("batch", self._structure[1], batch)
         if len(state_leaves) == len(self._last_state_leaves) and all(
             map(operator.is_, state_leaves, self._last_state_leaves)
         ):
@@ -185,7 +150,7 @@ class Step:
             state_specs = tree.leaf_specs(state_leaves)
         if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves):
             tree.check_tensor_leaves(batch, "batch")
-        signature = _Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
+        signature = Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
         return signature, state_leaves, batch_leaves
 
     def _build(self, state: Any, batch: Any) -> _Compiled:
@@ -200,11 +165,14 @@ class Step:
                 donate=self._donate,
                 precision=self._precision,
                 accum_steps=self._accum_steps,
-                keep_markers=fuse,  # the fusion pass finds the gradients by their markers
-                mark_uses=False,
+                mark_grads=fuse,  # the fusion pass finds the gradients by their markers
             )
             if fuse:  # stage 3: the fused AdamW kernel replaces the traced update
-                fusion.fuse_adamw(traced.graph_module, state, self._optimizer)
+                try:
+                    fusion.fuse_adamw(traced.graph_module, state, self._optimizer)
+                except UnsupportedError:
+                    if self._fused_optimizer:  # asked for; by default the traced math stays
+                        raise
                 markers.strip(traced.graph_module)
             return _Compiled(traced, traced.graph_module, None, None)
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
@@ -227,7 +195,8 @@ class Step:
                 donate=self._donate,
                 precision=self._precision,
                 accum_steps=self._accum_steps,
-                keep_markers=True,
+                mark_uses=True,
+                mark_grads=True,
             )
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
             batch_leaves, plan.batch_placements, self._mesh
@@ -246,7 +215,7 @@ class Step:
                 raise
             raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
         if self._bucket_mb:  # stage 3: bucket gradient all-reduces, issue them early
-            overlap.bucket_all_reduces(local, self._bucket_mb)
+            overlap.bucket_gradient_collectives(local, self._bucket_mb)
         return _Compiled(traced, local, None, plan)
 
     def _fuse_optimizer(self, state: Any) -> bool:
@@ -275,9 +244,9 @@ class Step:
             raise UnsupportedError(f"cuda_graph=True, but {reason}; pass cuda_graph=None or False")
         return reason is None
 
-    def _compile(self, signature: _Signature, state: Any, batch: Any) -> _Compiled:
+    def _compile(self, signature: Signature, state: Any, batch: Any) -> _Compiled:
         if self._last_signature is not None:
-            change = _describe_change(self._last_signature, signature, state, batch)
+            change = describe_change(self._last_signature, signature, state, batch)
             message = (
                 f"fsg: the step's abstract signature changed ({change}); tracing and compiling "
                 f"it again (compile #{self.num_compiles + 1}). Keep shapes fixed (pad the last "

@@ -82,11 +82,10 @@ def check_accumulation(batch: Any, accum_steps: int) -> None:
             )
 
 
-def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses=True):
+def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses):
     with torch.enable_grad():
         # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
-        # after the cast to the compute dtype, so that gathers move the smaller dtype. One
-        # device needs no marks (tracing each one costs ~3 ms: 0.5 s for GPT-2's 148 params).
+        # after the cast to the compute dtype, so that gathers move the smaller dtype.
         mark = markers.param_use if mark_uses else (lambda p, i: p)
         used = [mark(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
         loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
@@ -102,8 +101,8 @@ def train_step(
     batch: Any,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
     accum_steps: int = 1,
-    mark_uses: bool = True,
-    mark_grads: bool = True,
+    mark_uses: bool = False,
+    mark_grads: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One train step as a pure function of tensors: what stage 1 traces.
 
@@ -162,14 +161,14 @@ def trace(
     donate: bool,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
     accum_steps: int = 1,
-    keep_markers: bool = False,
-    mark_uses: bool | None = None,
+    mark_uses: bool = False,
+    mark_grads: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
 
-    ``keep_markers`` traces the ``fsg::param_use`` / ``fsg::grad`` marker nodes that stage 2
-    needs (``mark_uses=False`` leaves out the first kind: the fusion pass needs only the
-    gradients'); otherwise (one device) none are traced.
+    ``mark_uses`` / ``mark_grads`` trace the ``fsg::param_use`` / ``fsg::grad`` marker nodes:
+    stage 2 needs both, the fusion pass the gradients'; whoever asks for them strips them
+    (``markers.strip``) when done. Tracing them costs ~3 ms each, so one device skips them.
     """
     check_accumulation(batch, accum_steps)
     state_leaves, state_def = tree.flatten(state)
@@ -186,8 +185,8 @@ def trace(
             tree.unflatten(batch_def, flat[n_state:]),
             precision,
             accum_steps,
-            keep_markers if mark_uses is None else mark_uses,
-            keep_markers,
+            mark_uses,
+            mark_grads,
         )
         new_leaves, new_def = tree.flatten(new_state)
         if new_def != state_def:
@@ -228,6 +227,4 @@ def trace(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
-    if not keep_markers:
-        markers.strip(gm)
     return TracedStep(gm, n_state, tuple(metric_names), donate)

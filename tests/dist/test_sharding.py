@@ -144,3 +144,8 @@ def test_fsdp_reduce_scatters_are_packed_and_issued_during_the_backward(ranks):
     small = ranks(2).run(workers.bucketed_data_parallel, 0.02, "fsdp")[0]
     assert 1 < dict((k, c) for k, _, _, c in small["table"])["reduce_scatter_tensor"] < 8
     assert small["first_grad_all_reduce"] < small["last_matmul"]  # the first reduce-scatter
+
+
+def test_fused_optimizer_true_on_a_mesh_is_refused_with_the_way_out(ranks):
+    message = ranks(2).run(workers.fused_optimizer_on_a_mesh_is_refused)[0]
+    assert "fused_optimizer=True on a mesh is not supported" in message and "leave it at None" in message

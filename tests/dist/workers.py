@@ -306,3 +306,14 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
         "last_matmul": matmuls[-1],
         "param_bytes": sum(p.numel() * 4 for p in fsg.params(model).values()),
     }
+
+
+def fused_optimizer_on_a_mesh_is_refused() -> str:
+    model = mlp()
+    try:
+        fsg.compile_step(
+            mse_loss_fn(model), fsg.testing.mesh({"dp": 2}), optimizer=fsg.optim.adamw(1e-3), fused_optimizer=True
+        )
+    except fsg.UnsupportedError as exc:
+        return str(exc)
+    return "no error"

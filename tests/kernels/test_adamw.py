@@ -110,6 +110,24 @@ def test_fused_optimizer_true_explains_why_it_cannot():
         step(step.init(fsg.params(model)), regression_batch())
 
 
+@pytest.mark.parametrize(
+    "w, precision, rule",
+    [
+        (torch.randn(4, 3).t(), None, r"state.params\['w'\] \(or its optimizer state\) is not contiguous"),
+        (torch.randn(3, 4), fsg.Policy(torch.float64, torch.float64), r"state.params\['w'\] has dtype torch.float64"),
+    ],
+)
+def test_fused_optimizer_true_names_the_leaf_it_cannot_take(w, precision, rule):
+    step = fsg.compile_step(
+        lambda p, b: (b["x"] @ p["w"]).sum(), optimizer=fsg.optim.adamw(1e-3), fused_optimizer=True,
+        precision=precision, backend="aot_eager",
+    )  # fmt: skip
+    state = step.init({"w": w})
+    x = torch.randn(2, w.shape[0], dtype=state.params["w"].dtype)
+    with pytest.raises(fsg.UnsupportedError, match=rule):
+        step(state, {"x": x})
+
+
 def test_default_is_off_on_cpu():
     step, state = _step(None)
     assert fusion.why_not_fusable(step._optimizer, state, donate=True) is None
