@@ -39,7 +39,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=3, help="steps to profile for the overlap figure (0: none)")
     args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # fsg's per-stage timings
     info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), info.device
     layers, heads, dim = MODELS[args.model]
@@ -98,6 +102,7 @@ def main() -> None:
         loss = run(i)
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    overlap = overlapped_communication(run, args.profile) if args.profile and dev.type == "cuda" else None
     if rank == 0:
         out = {
             "impl": args.impl,
@@ -106,12 +111,52 @@ def main() -> None:
             "tokens_per_s": args.batch * world * args.seq / ms * 1e3,
             "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "compile_s": compile_s,
+            "overlap": overlap,
             "first_loss": first,
             "last_loss": float(loss),
             "torch": torch.__version__,
         }
         print("RESULT " + json.dumps(out), flush=True)
     fsg.distributed.shutdown()
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def overlapped_communication(run, steps: int) -> dict:
+    """Profiles ``steps`` steps (CUDA kernels only) and returns how much of the NCCL kernels'
+    time ran while a compute kernel was running too: the fraction of communication hidden
+    behind compute, as a trace viewer would show it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            run(i)
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        (comm if "nccl" in e.name.lower() else compute).append(span)
+    busy = _union(compute)
+    comm_us = sum(b - a for a, b in _union(comm))
+    hidden = 0.0
+    for a, b in _union(comm):
+        hidden += sum(max(0.0, min(b, d) - max(a, c)) for c, d in busy)
+    return {
+        "comm_ms_per_step": comm_us / 1e3 / steps,
+        "hidden_fraction": hidden / comm_us if comm_us else None,
+        "compute_ms_per_step": sum(b - a for a, b in busy) / 1e3 / steps,
+    }
 
 
 if __name__ == "__main__":

@@ -60,3 +60,17 @@ def test_functional_collectives_have_the_signatures_the_overlap_pass_uses():
     assert [a.name for a in schema.arguments] == ["input", "reduce_op", "group_name"]
     assert [a.name for a in _torch_private.WAIT_TENSOR._schema.arguments] == ["tensor"]
     assert _torch_private.REDUCE_SCATTER._schema.arguments[0].name == "input"
+
+
+def test_inductor_compile_runs_an_aten_graph_with_input_mutation():
+    def fn(w, x):
+        w.copy_(w - 0.5 * x)
+        return ((w * x).sum(),)
+
+    w, x = torch.randn(5), torch.randn(5)
+    gm = _torch_private.trace_fake(fn, w, x)
+    compiled = _torch_private.inductor_compile(gm, [w, x])
+    expected_w = w - 0.5 * x
+    (out,) = compiled(w, x)
+    assert torch.allclose(w, expected_w)
+    assert torch.allclose(out, (expected_w * x).sum())

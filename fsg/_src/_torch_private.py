@@ -25,6 +25,7 @@ __all__ = [
     "TorchDispatchMode",
     "WAIT_TENSOR",
     "fake_mode",
+    "inductor_compile",
     "trace_fake",
 ]
 
@@ -59,3 +60,11 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor) -> torch.fx.GraphMod
 def fake_mode() -> FakeTensorMode:
     """A fake-tensor mode that accepts real constants, for running graphs without data."""
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
+    dtypes and strides, without Dynamo re-tracing the graph (``standalone_compile``, torch
+    2.8+). AOTAutograd's and Inductor's on-disk caches apply as they do under
+    ``torch.compile``; the result is called with tensors like ``example_inputs``."""
+    return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs")

@@ -15,6 +15,8 @@ replay, unless ``cuda_graph=True`` asked for replay, which makes it an error.
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 from typing import Callable
 
@@ -22,6 +24,8 @@ import torch
 
 from fsg._src.errors import CudaGraphWarning
 from fsg._src.kernels._common import capture_warmup
+
+log = logging.getLogger("fsg")
 
 
 def can_graph(inputs: list[torch.Tensor]) -> bool:
@@ -70,7 +74,9 @@ class GraphedStep:
             outputs = self._fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         try:
+            t0 = time.perf_counter()
             self._capture(inputs, key)
+            log.info("fsg: captured the step as a CUDA graph in %.1f s", time.perf_counter() - t0)
         except Exception as exc:
             if self._strict:
                 raise

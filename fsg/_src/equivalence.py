@@ -53,8 +53,9 @@ def assert_sharded_matches_unsharded(
         param_sharding=param_sharding,
         batch_sharding=batch_sharding,
         backend=backend,
+        **step_options,
     )
-    single = compile_step(loss_fn, optimizer=optimizer, backend=backend)
+    single = compile_step(loss_fn, optimizer=optimizer, backend=backend, **step_options)
     state, ref = sharded.init(params), single.init(params)
     for i, batch in enumerate(batches):
         state, metrics = sharded(state, batch)

@@ -34,6 +34,7 @@ class AdamWSpec(NamedTuple):
     eps: float
     weight_decay: float
     mask: Any
+    learning_rate: Any  # a float or a schedule
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -69,6 +70,30 @@ def _adamw_leaves(state: Any) -> _AdamWLeaves:
     return _AdamWLeaves(leaves, *ids, adam.count, lr_state.learning_rate)
 
 
+def stand_in(optimizer: Any) -> Any:
+    """A transformation to trace in place of ``fsg.optim.adamw`` when ``fuse_adamw`` will
+    replace its update: the same state structure and the same update count and learning rate
+    (which the fused node reads), but new moments and params that are mere copies of the
+    gradient, a few graph nodes per param instead of the ~15 of Adam's math. Tracing the real
+    math only for the pass to delete it was a third of stage 1 for GPT-2. Its graph is only
+    correct once ``fuse_adamw`` has rewritten it."""
+    from fsg._src.optim._base import EmptyState, GradientTransformation, chain
+    from fsg._src.optim._transforms import ScaleByAdamState, scale_by_adam, scale_by_learning_rate
+
+    spec = adamw_spec(optimizer)
+    adam = scale_by_adam(b1=spec.b1, b2=spec.b2, eps=spec.eps)
+
+    def adam_update(updates, state, params=None):
+        moment = tree.tree_map(lambda m, g: g.to(m.dtype), state.mu, updates)
+        return updates, ScaleByAdamState(state.count + 1, moment, moment)
+
+    return chain(
+        GradientTransformation(adam.init, adam_update),
+        GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s)),  # decay
+        scale_by_learning_rate(spec.learning_rate),
+    )
+
+
 def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
     """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
     (``None`` when it can)."""
@@ -87,6 +112,24 @@ def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
     return None
 
 
+_SAME_SHAPE_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default)
+
+
+def _through_views(node: fx.Node) -> fx.Node:
+    """The node under a chain of shape-preserving views (stage 2 writes a donated leaf
+    through ``view(placeholder)``, the local tensor of a ``DTensor.from_local``)."""
+    while (
+        node.op == "call_function"
+        and node.target in _SAME_SHAPE_VIEWS
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].meta.get("val") is not None
+        and node.meta.get("val") is not None
+        and tuple(node.args[0].meta["val"].shape) == tuple(node.meta["val"].shape)
+    ):
+        node = node.args[0]
+    return node
+
+
 def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
     """Rewrites ``gm`` (a donated stage-1 graph that still has its ``fsg::grad`` markers) to
     update params and moments with one ``fsg::fused_adamw_`` node. Returns how many param
@@ -97,16 +140,21 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
     p_ids, mu_ids, nu_ids = at.params, at.mus, at.nus
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    copies = {
-        n.args[0]: n
-        for n in graph.nodes
-        if n.op == "call_function" and n.target is _COPY and n.args[0].op == "placeholder"
-    }
+    copies = {}  # placeholder -> the copy_ that writes its new value
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is _COPY:
+            dst = _through_views(n.args[0])
+            if dst.op == "placeholder":
+                copies[dst] = n
     grads = {n.args[1]: n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is markers.GRAD}
     needed = [placeholders[i] for i in (*p_ids, *mu_ids, *nu_ids, at.count)]
     missing = [n.name for n in needed if n not in copies]
     if missing or sorted(grads) != list(range(len(p_ids))):
         raise UnsupportedError(f"fused AdamW: the traced update does not write {missing or 'every gradient'}")
+    for k, (i, m, v) in enumerate(zip(p_ids, mu_ids, nu_ids)):
+        shapes = {tuple(n.meta["val"].shape) for n in (placeholders[i], placeholders[m], placeholders[v], grads[k])}
+        if len(shapes) != 1:  # e.g. a moment sharded unlike its param on a mesh
+            raise UnsupportedError(f"fused AdamW: param {k}, its gradient and moments have local shapes {shapes}")
     lr_copy = copies.get(placeholders[at.learning_rate])
     lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
     flags = tree.flatten(spec.mask(state.params) if callable(spec.mask) else spec.mask)[0] if spec.mask else None

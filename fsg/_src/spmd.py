@@ -76,9 +76,10 @@ def _is_plain(value: Any) -> bool:
 class _Expander(fx.Interpreter):
     """Runs the global graph on DTensors, applying the sharding rules."""
 
-    def __init__(self, gm: fx.GraphModule, plan: ShardPlan):
+    def __init__(self, gm: fx.GraphModule, plan: ShardPlan, mark_grads: bool = False):
         super().__init__(gm)
         self.plan = plan
+        self.mark_grads = mark_grads
         self._node: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
@@ -108,7 +109,13 @@ class _Expander(fx.Interpreter):
         if target is markers.PARAM_USE:  # rule 3: gather over data axes where the loss reads it
             return _redistribute(args[0], mesh, self.plan.compute_placements(args[1]))
         if target is markers.GRAD:  # rule 2: the gradient takes its parameter's placement
-            return _redistribute(args[0], mesh, self.plan.param_placements(args[1]))
+            grad = _redistribute(args[0], mesh, self.plan.param_placements(args[1]))
+            if self.mark_grads and isinstance(grad, DTensor):  # for the fusion pass
+                local = markers.grad(grad.to_local(), args[1])
+                grad = DTensor.from_local(
+                    local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+                )
+            return grad
         if target is torch.ops.aten.lift_fresh_copy.default and isinstance(args[0], DTensor):
             return args[0].clone()  # a literal tensor, already replicated by get_attr
         if target is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
@@ -167,11 +174,13 @@ def expand(
     state_shapes: list[tuple[int, ...]],
     batch_shapes: list[tuple[int, ...]],
     local_inputs: list[torch.Tensor],
+    mark_grads: bool = False,
 ) -> fx.GraphModule:
     """Stage 2: the per-rank graph of ``traced`` under ``plan``.
 
     Its inputs are the rank's local pieces of the state then the batch leaves; its outputs
-    those of the global graph, as local tensors (metrics replicated).
+    those of the global graph, as local tensors (metrics replicated). ``mark_grads`` keeps an
+    ``fsg::grad`` marker on each rank's gradient (after its reduction) for the fusion pass.
     """
     mesh = plan.mesh
     placements = [*plan.state_placements, *plan.batch_placements]
@@ -186,7 +195,7 @@ def expand(
             )
             for t, pl, s in zip(locals_, placements, shapes)
         ]
-        outputs = _Expander(traced.graph_module, plan).run(*dtensors)
+        outputs = _Expander(traced.graph_module, plan, mark_grads).run(*dtensors)
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         n_new_state = len(outputs) - n_metrics

@@ -8,8 +8,10 @@ recomputed when its leaves are not the very tensors the previous call returned.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import re
+import time
 import warnings
 from typing import Any, NamedTuple
 
@@ -36,6 +38,7 @@ from fsg._src.stages import Lowered
 from fsg._src.train_state import TrainState
 
 LossFn = trace_lib.LossFn
+log = logging.getLogger("fsg")
 
 
 class _Compiled(NamedTuple):
@@ -71,11 +74,6 @@ class Step:
         backend_lib.check_backend(backend)
         self._bucket_mb = bucket_mb
         self._cuda_graph = cuda_graph
-        if fused_optimizer and mesh is not None and mesh.size > 1:
-            raise UnsupportedError(
-                "fused_optimizer=True on a mesh is not supported yet (the fused AdamW runs on one "
-                "device); leave it at None and the traced update is sharded and compiled instead"
-            )
         self._fused_optimizer = fused_optimizer
         self._precision = precision or Policy()
         self._accum_steps = accum_steps
@@ -154,27 +152,33 @@ class Step:
         return signature, state_leaves, batch_leaves
 
     def _build(self, state: Any, batch: Any) -> _Compiled:
-        """Stages 1 (trace) and 2 (shard, on a mesh) for this state and batch."""
-        if self._mesh is None:
-            fuse = self._fuse_optimizer(state)
-            traced = trace_lib.trace(
-                self._loss_fn,
-                self._optimizer,
-                state,
-                batch,
-                donate=self._donate,
-                precision=self._precision,
-                accum_steps=self._accum_steps,
-                mark_grads=fuse,  # the fusion pass finds the gradients by their markers
-            )
-            if fuse:  # stage 3: the fused AdamW kernel replaces the traced update
-                try:
-                    fusion.fuse_adamw(traced.graph_module, state, self._optimizer)
-                except UnsupportedError:
-                    if self._fused_optimizer:  # asked for; by default the traced math stays
-                        raise
-                markers.strip(traced.graph_module)
-            return _Compiled(traced, traced.graph_module, None, None)
+        """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes) for this state and
+        batch. When the fused AdamW kernel will replace the optimizer update, stage 1 traces
+        a stand-in for the update's math (``fusion.stand_in``); should the fusion pass then
+        refuse the graph, everything is traced again with the real math."""
+        fuse = self._fuse_optimizer(state)
+        optimizer = fusion.stand_in(self._optimizer) if fuse else self._optimizer
+        built = self._build_local(state, batch, optimizer, fuse) if self._mesh is None else self._build_mesh(
+            state, batch, optimizer, fuse
+        )
+        if fuse:
+            try:
+                fusion.fuse_adamw(built.graph, state, self._optimizer)
+                markers.strip(built.graph)
+            except UnsupportedError:
+                if self._fused_optimizer:  # asked for; by default the traced math runs
+                    raise
+                build = self._build_local if self._mesh is None else self._build_mesh
+                built = build(state, batch, self._optimizer, False)
+        if self._mesh is not None and self._bucket_mb:  # stage 3: bucket gradient collectives
+            overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
+        return built
+
+    def _build_local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
+        traced = self._trace(state, batch, optimizer, mark_grads)
+        return _Compiled(traced, traced.graph_module, None, None)
+
+    def _build_mesh(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
         state_leaves, state_def = tree.flatten(state)
         batch_leaves, batch_def = tree.flatten(batch)
@@ -186,10 +190,11 @@ class Step:
         # CPU, attention is traced as its math (bmm, softmax), which it can shard.
         math_attention = self._mesh.device_type == "cpu"
         attention = sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext()
+        t0 = time.perf_counter()
         with attention, plain_math():  # DTensor shards torch ops, not fsg's opaque kernels
             traced = trace_lib.trace(
                 self._loss_fn,
-                self._optimizer,
+                optimizer,
                 tree.unflatten(state_def, fakes[:n]),
                 tree.unflatten(batch_def, fakes[n:]),
                 donate=self._donate,
@@ -198,6 +203,9 @@ class Step:
                 mark_uses=True,
                 mark_grads=True,
             )
+        n_global = len(traced.graph_module.graph.nodes)
+        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)
+        t0 = time.perf_counter()
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
             batch_leaves, plan.batch_placements, self._mesh
         )
@@ -208,15 +216,34 @@ class Step:
                 [tuple(t.shape) for t in state_leaves],
                 [tuple(t.shape) for t in batch_leaves],
                 local_inputs,
+                mark_grads=mark_grads,
             )
         except ShardingRuleError as exc:
             where = purity.locate(self._loss_fn, state.params, batch, state.buffers, exc.op)
             if where is None:
                 raise
             raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
-        if self._bucket_mb:  # stage 3: bucket gradient all-reduces, issue them early
-            overlap.bucket_gradient_collectives(local, self._bucket_mb)
+        n_local = len(local.graph.nodes)
+        log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
         return _Compiled(traced, local, None, plan)
+
+    def _trace(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool):
+        """Stage 1 on one device (``mark_grads``: for the fusion pass, which finds the
+        gradients by their markers)."""
+        t0 = time.perf_counter()
+        traced = trace_lib.trace(
+            self._loss_fn,
+            optimizer,
+            state,
+            batch,
+            donate=self._donate,
+            precision=self._precision,
+            accum_steps=self._accum_steps,
+            mark_grads=mark_grads,
+        )
+        n = len(traced.graph_module.graph.nodes)
+        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
+        return traced
 
     def _fuse_optimizer(self, state: Any) -> bool:
         """Whether stage 3 swaps in the fused AdamW kernel: by default on CUDA whenever it

@@ -55,7 +55,7 @@ def test_sharded_transformer_matches_unsharded(ranks, case):
     [(2, {"dp": 2}, "dp"), (2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")],
 )
 def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
-    ranks(world).run(workers.check_gpt_preset, axes, preset)
+    assert ranks(world).run(workers.check_gpt_preset, axes, preset) == [0] * world
 
 
 def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ranks):
@@ -146,6 +146,12 @@ def test_fsdp_reduce_scatters_are_packed_and_issued_during_the_backward(ranks):
     assert small["first_grad_all_reduce"] < small["last_matmul"]  # the first reduce-scatter
 
 
-def test_fused_optimizer_true_on_a_mesh_is_refused_with_the_way_out(ranks):
-    message = ranks(2).run(workers.fused_optimizer_on_a_mesh_is_refused)[0]
-    assert "fused_optimizer=True on a mesh is not supported" in message and "leave it at None" in message
+@pytest.mark.parametrize(
+    "world, axes, preset",
+    [(2, {"dp": 2}, "dp"), (2, {"dp": 2}, "fsdp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")],
+)
+def test_the_fused_optimizer_on_a_mesh_updates_each_ranks_shards(ranks, world, axes, preset):
+    """AdamW is elementwise: the fused kernel updates each rank's local pieces after stage 2
+    has reduced the gradients, whatever the placements."""
+    fused_nodes = ranks(world).run(workers.check_gpt_preset, axes, preset, True)
+    assert fused_nodes == [1] * world

@@ -132,3 +132,23 @@ def test_default_is_off_on_cpu():
     step, state = _step(None)
     assert fusion.why_not_fusable(step._optimizer, state, donate=True) is None
     assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
+
+
+def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch):
+    """By default the step traces a stand-in for AdamW's math when the fused kernel will take
+    over; if the fusion pass then refuses the graph, the real math is traced again (the
+    stand-in's graph alone would not train)."""
+
+    def refuse(*args, **kwargs):
+        raise fsg.UnsupportedError("fused AdamW: refused for this test")
+
+    monkeypatch.setattr(fusion, "fuse_adamw", refuse)
+    monkeypatch.setattr(fsg._src.step.Step, "_fuse_optimizer", lambda self, state: True)
+    step, state = _step(None)
+    plain, plain_state = _step(False)
+    assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
+    for i in range(3):
+        state, m = step(state, regression_batch(seed=i))
+        plain_state, pm = plain(plain_state, regression_batch(seed=i))
+    for a, b in zip(fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(plain_state)[0]):
+        assert torch.equal(a, b)

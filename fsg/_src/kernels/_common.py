@@ -43,11 +43,22 @@ class RowTiling:
     and, in a backward, walks ``iters`` such tiles, summing its weight-gradient partials in
     registers; ``programs`` partial rows are left for one torch reduction."""
 
-    def __init__(self, M: int, N: int, *, backward: bool = False, iters: int | None = None):
+    def __init__(
+        self,
+        M: int,
+        N: int,
+        *,
+        backward: bool = False,
+        iters: int | None = None,
+        rows: int | None = None,
+        num_warps: int | None = None,
+    ):
         self.block = triton.next_power_of_2(N)
-        self.rows = max(1, min(16, 4096 // self.block))
+        self.rows = rows or max(1, min(16, 4096 // self.block))
         self.iters = iters or (4 if backward and 2048 * self.rows <= M else 1)
-        self.num_warps = min(16, max(4, self.rows * self.block // 512))
+        # 4 warps for rows up to 1024 wide: 8 made the width-768 backward 2x slower (H200 sweep,
+        # benchmarks/RESULTS.md); wider rows take one warp per 512 elements of the tile.
+        self.num_warps = num_warps or (4 if self.block <= 1024 else min(16, max(4, self.rows * self.block // 512)))
         self.programs = triton.cdiv(M, self.rows * self.iters)
 
 

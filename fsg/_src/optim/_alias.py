@@ -71,7 +71,7 @@ def adamw(
         scale_by_learning_rate(learning_rate),
     )
     # compile_step may replace this traced math by the fused kernel (fsg/_src/fusion.py).
-    return fusion.register_adamw(transformation, fusion.AdamWSpec(b1, b2, eps, weight_decay, mask))
+    return fusion.register_adamw(transformation, fusion.AdamWSpec(b1, b2, eps, weight_decay, mask, learning_rate))
 
 
 def lion(
