@@ -158,8 +158,10 @@ class Step:
         refuse the graph, everything is traced again with the real math."""
         fuse = self._fuse_optimizer(state)
         optimizer = fusion.stand_in(self._optimizer) if fuse else self._optimizer
-        built = self._build_local(state, batch, optimizer, fuse) if self._mesh is None else self._build_mesh(
-            state, batch, optimizer, fuse
+        built = (
+            self._build_local(state, batch, optimizer, fuse)
+            if self._mesh is None
+            else self._build_mesh(state, batch, optimizer, fuse)
         )
         if fuse:
             try:
