@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg-graph   # + CUDA-graph replay
 
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
 --batch sequences of 1024 tokens per GPU. fsg: ``fsg.compile_step`` on
@@ -33,7 +34,7 @@ LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", choices=["fsg", "ddp"], required=True)
+    parser.add_argument("--impl", choices=["fsg", "fsg-graph", "ddp"], required=True)
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=1024)
@@ -45,7 +46,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # fsg's per-stage timings
     info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), info.device
+    rank, world, dev = info.rank, info.world_size, info.device  # world 1: the one-GPU baselines
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
@@ -53,13 +54,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 50304, (args.batch * world, args.seq + 1), generator=g) for _ in range(4)]
 
-    if args.impl == "fsg":
-        mesh = fsg.Mesh({"dp": world}, device_type=dev.type)
+    if args.impl.startswith("fsg"):
+        mesh = fsg.Mesh({"dp": world}, device_type=dev.type) if world > 1 else None
         step = fsg.compile_step(
             lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
             mesh,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
             precision=fsg.Policy(compute=torch.bfloat16),
+            cuda_graph=True if args.impl == "fsg-graph" else None,
         )
         state = [step.init(fsg.params(model))]
         for p in model.parameters():
@@ -74,7 +76,8 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         cuda = dev.type == "cuda"
-        ddp = DDP(torch.compile(model), device_ids=[dev.index] if cuda else None)
+        compiled = torch.compile(model)
+        ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
         rows = slice(rank * args.batch, (rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
@@ -96,7 +99,8 @@ def main() -> None:
     for i in range(1, args.warmup):
         run(i)
     sync()
-    dist.barrier()
+    if dist.is_initialized():
+        dist.barrier()
     t0 = time.perf_counter()
     for i in range(args.steps):
         loss = run(i)

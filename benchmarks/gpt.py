@@ -123,9 +123,21 @@ def run_torch(impl: str, args) -> dict:
     handler.emit = lambda record: stages.append(record.getMessage())
     logging.getLogger("fsg").addHandler(handler)
     logging.getLogger("fsg").setLevel(logging.INFO)
+    profile_to = os.environ.get("FSG_PROFILE_FIRST_CALL")  # a path: cProfile of the first call
+    if profile_to:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     first = float(step(0))
     compile_s = time.perf_counter() - t0
+    if profile_to:
+        import pstats
+
+        profiler.disable()
+        with open(profile_to, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(80)
     t0 = time.perf_counter()
     step(1)
     float(step(2))

@@ -74,3 +74,15 @@ def test_inductor_compile_runs_an_aten_graph_with_input_mutation():
     (out,) = compiled(w, x)
     assert torch.allclose(w, expected_w)
     assert torch.allclose(out, (expected_w * x).sum())
+
+
+def test_trace_fake_records_source_lines_only_when_asked():
+    class Double(torch.nn.Module):
+        def forward(self, x):  # torch records the frames of modules' forward methods
+            return x * 2
+
+    plain = _torch_private.trace_fake(Double(), torch.randn(3))
+    with_lines = _torch_private.trace_fake(Double(), torch.randn(3), source_lines=True)
+    mul = [n for n in with_lines.graph.nodes if n.target is torch.ops.aten.mul.Tensor][0]
+    assert "test_torch_private.py" in mul.meta["stack_trace"]
+    assert not any(n.meta.get("stack_trace") for n in plain.graph.nodes)

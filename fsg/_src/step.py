@@ -204,6 +204,7 @@ class Step:
                 accum_steps=self._accum_steps,
                 mark_uses=True,
                 mark_grads=True,
+                source_lines=True,  # stage 2's errors name the user's line
             )
         n_global = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)
@@ -259,12 +260,14 @@ class Step:
 
     def _graph_replay(self, state: Any, batch: Any) -> bool:
         """Whether the compiled step is replayed as a CUDA graph: by default whenever it can
-        be (one device, donated state, everything on CUDA); ``cuda_graph=True`` insists."""
+        be on one device (donated state, everything on CUDA); ``cuda_graph=True`` insists, and
+        also replays a step on a mesh, collectives included (experimental)."""
         if self._cuda_graph is False:
             return False
         reason = None
-        if self._mesh is not None:
-            reason = "the step runs on a mesh (graph replay is single-device for now)"
+        if self._mesh is not None and self._cuda_graph is None:
+            # Experimental: replaying NCCL collectives inside a graph works, but is opt-in.
+            reason = "the step runs on a mesh (replay with collectives is opt-in: cuda_graph=True)"
         elif not self._donate:
             reason = "donate=False (replay needs the state in fixed buffers)"
         elif not cudagraph.can_graph([*tree.flatten(state)[0], *tree.flatten(batch)[0]]):
@@ -389,14 +392,16 @@ def compile_step(
         the state passed in is returned, updated.
       strict: raise ``RecompileError`` instead of recompiling when the signature changes.
       fused_optimizer: replace the traced ``fsg.optim.adamw`` update by the fused Triton
-        kernel (one launch per dtype group, in place). ``None`` (default): on CUDA, on one
-        device, when the optimizer is ``adamw`` and ``donate=True``; ``True``: always (also
+        kernel (one launch per dtype group, in place; on a mesh each rank updates its own
+        pieces after the gradient reductions). ``None`` (default): on CUDA, when the optimizer
+        is ``adamw`` and ``donate=True``; ``True``: always (also
         on CPU, under ``TRITON_INTERPRET=1`` or via its eager reference), raising if it
         cannot; ``False``: never.
       cuda_graph: replay the whole compiled step as one CUDA graph from its third call on
         (call 1 compiles, call 2 warms up and captures). ``None`` (default): whenever the
         state and batch are on CUDA, on one device, with ``donate=True``; ``True``: raise if
-        it cannot; ``False``: never. The batch is copied into the graph's own buffers; a
+        it cannot, and replay on a mesh too, NCCL collectives inside the graph
+        (experimental); ``False``: never. The batch is copied into the graph's own buffers; a
         state in other storages (a restored checkpoint) is captured again.
       bucket_mb: on a mesh, pack gradient all-reduces into buckets of at most this many MiB
         and issue each as soon as its last gradient is computed, so that reductions overlap

@@ -163,12 +163,14 @@ def trace(
     accum_steps: int = 1,
     mark_uses: bool = False,
     mark_grads: bool = False,
+    source_lines: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
 
     ``mark_uses`` / ``mark_grads`` trace the ``fsg::param_use`` / ``fsg::grad`` marker nodes:
     stage 2 needs both, the fusion pass the gradients'; whoever asks for them strips them
     (``markers.strip``) when done. Tracing them costs ~3 ms each, so one device skips them.
+    ``source_lines`` records each node's user stack (stage 2 names the line in its errors).
     """
     check_accumulation(batch, accum_steps)
     state_leaves, state_def = tree.flatten(state)
@@ -207,7 +209,7 @@ def trace(
         return purity.diagnose(loss_fn, state.params, batch, state.buffers)
 
     try:
-        gm = _torch_private.trace_fake(flat_step, *state_leaves, *batch_leaves)
+        gm = _torch_private.trace_fake(flat_step, *state_leaves, *batch_leaves, source_lines=source_lines)
     except FsgError:
         raise
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
