@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed.tensor.experimental import register_sharding
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +27,7 @@ __all__ = [
     "WAIT_TENSOR",
     "fake_mode",
     "inductor_compile",
+    "register_sharding",
     "trace_fake",
 ]
 
@@ -46,6 +48,12 @@ HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+# ``register_sharding(op)(fn)``: DTensor sharding strategies for a custom op (experimental in
+# torch 2.11 and 2.13); ``fn`` returns ``[(output placements, input placements), ...]`` for one
+# mesh dim, which DTensor expands over the mesh.
+register_sharding = register_sharding
 
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False) -> torch.fx.GraphModule:

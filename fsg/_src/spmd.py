@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from fsg._src import _torch_private, markers, purity, tree
 from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
+from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
 from fsg._src.trace import TracedStep
 

@@ -88,6 +88,33 @@ def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = Non
     return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.fused_adamw_")
 
 
+def check_gpt_fused_loss(axes: dict, preset: str) -> int:
+    """The GPT's own loss (``fsg.nn.linear_cross_entropy``, the head fused with the loss)
+    sharded == unsharded; returns how many fused loss nodes the per-rank graph has."""
+    rules = {
+        "dp": fsg.sharding.data_parallel(),
+        "fsdp": fsg.sharding.fsdp("dp"),
+        "tp": fsg.sharding.tensor_parallel("tp"),
+        "fsdp_tp": fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
+    }[preset]
+    model = tiny_gpt()
+    batch_spec = fsg.P("dp") if "dp" in axes else fsg.P()
+
+    def loss_fn(params, batch):
+        return fsg.apply(model, params, batch["x"], batch["y"])
+
+    fsg.testing.assert_sharded_matches_unsharded(
+        loss_fn, fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    step = fsg.compile_step(
+        loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
+        batch_sharding=batch_spec, backend="aot_eager",
+    )  # fmt: skip
+    return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.linear_cross_entropy_sum")
+
+
 def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=None) -> list[tuple]:
     """The collectives table of one step (one all-reduce per gradient unless ``bucket_mb``),
     and the local bytes of each param."""

@@ -146,13 +146,33 @@ def test_traced_step_has_one_fused_node_and_trains():
     assert float(metrics["loss"]) < first
 
 
-def test_plain_math_traces_torch_ops_only():
-    """Under a mesh fsg.nn traces plain math (DTensor shards torch ops, not fsg kernels)."""
+def test_plain_math_traces_torch_ops_except_the_ones_with_sharding_rules():
+    """Under a mesh fsg.nn traces plain math (DTensor shards torch ops, not opaque kernels),
+    except ops with a DTensor rule: linear_cross_entropy as a sum over rows, then a mean."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     params = {"proj": torch.randn(6, 8), "norm": torch.ones(8), "embed": torch.randn(37, 8)}
     batch = {"x": torch.randn(20, 6), "y": torch.randint(0, 37, (20,))}
     with plain_math():
         gm = make_fx(_gpt_like_loss)(params, batch)
-    assert "fsg." not in gm.code
+    fsg_ops = {line.split("(")[0].split("= ")[-1] for line in gm.code.splitlines() if "fsg." in line}
+    assert fsg_ops == {"torch.ops.fsg.linear_cross_entropy_sum.default"}
     assert rel(gm(params, batch), _gpt_like_loss(params, batch)) < 1e-5
+
+
+@KERNEL
+@given(n=st.integers(0, 9), v=st.integers(2, 80), chunk=st.integers(1, 10), seed=st.integers(0, 99))
+def test_the_row_sum_variant_matches_torch_with_autograd(n, v, chunk, seed):
+    """What a mesh runs per rank: the sum over its rows (also over none: an empty shard)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, 5, generator=g).requires_grad_()
+    w = (torch.randn(v, 5, generator=g) / 2).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[:1] = -100
+    loss, _, _ = K.linear_cross_entropy_sum(h, w, targets, -100, 0.0, chunk, True)
+    (2.0 * loss).backward()
+    h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, targets, reduction="sum")
+    (2.0 * ref).backward()
+    assert rel(loss, ref) < 1e-5
+    assert rel(h.grad, h2.grad) < 1e-5 and rel(w.grad, w2.grad) < 1e-5

@@ -241,25 +241,19 @@ def default_chunk(V: int, itemsize: int) -> int:
     return max(1, (1 << 30) // (V * itemsize))
 
 
-@torch.library.custom_op("fsg::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    z_loss: float,
-    chunk: int,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean loss, dloss/dh, dloss/dweight)`` of ``cross_entropy(h @ weight.T, targets)``;
-    the gradients are empty when ``with_grad`` is false."""
+def _linear_ce(h, weight, targets, ignore_index: int, z_loss: float, chunk: int, with_grad: bool, mean: bool):
+    """``(loss, dloss/dh, dloss/dweight)`` of the cross-entropy of ``h @ weight.T`` over the
+    rows: their mean (``mean``) or their sum."""
     N = h.shape[0]
     h, weight, targets = h.contiguous(), weight.contiguous(), targets.contiguous()
-    inv_count = 1.0 / (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
+    if mean:
+        scale = 1.0 / (targets != ignore_index).sum().clamp_min(1).to(torch.float32)
+    else:
+        scale = torch.ones((), dtype=torch.float32, device=h.device)
     loss_N = torch.empty(N, dtype=torch.float32, device=h.device)
     dh = torch.empty_like(h) if with_grad else h.new_empty(0)
     dw32 = None  # float32 sum of the chunks' weight gradients
-    drow = inv_count.expand(min(chunk, N)).contiguous() if with_grad else None
+    drow = scale.expand(min(chunk, N)).contiguous() if with_grad else None
     for start in range(0, N, chunk):
         rows = slice(start, min(start + chunk, N))
         logits_CV = h[rows] @ weight.T
@@ -276,12 +270,43 @@ def linear_cross_entropy_fwd(
             dw32 = dw_chunk if start + chunk >= N else dw_chunk.float()
         else:
             dw32 += dw_chunk.float()
+    if with_grad and dw32 is None:  # no rows at all (an empty shard)
+        dw32 = torch.zeros_like(weight)
     dw = dw32.to(weight.dtype) if with_grad else weight.new_empty(0)
-    return loss_N.sum() * inv_count, dh, dw
+    return loss_N.sum() * scale, dh, dw
 
 
-@linear_cross_entropy_fwd.register_fake
-def _(h, weight, targets, ignore_index, z_loss, chunk, with_grad):
+@torch.library.custom_op("fsg::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean loss, dloss/dh, dloss/dweight)`` of ``cross_entropy(h @ weight.T, targets)``;
+    the gradients are empty when ``with_grad`` is false."""
+    return _linear_ce(h, weight, targets, ignore_index, z_loss, chunk, with_grad, mean=True)
+
+
+@torch.library.custom_op("fsg::linear_cross_entropy_sum", mutates_args=())
+def linear_cross_entropy_sum(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``linear_cross_entropy_fwd`` with the rows' sum instead of their mean: what a
+    mesh runs, since sums over token shards add up (``dtensor_rules.py``)."""
+    return _linear_ce(h, weight, targets, ignore_index, z_loss, chunk, with_grad, mean=False)
+
+
+def _lce_fake(h, weight, targets, ignore_index, z_loss, chunk, with_grad):
     loss = h.new_empty((), dtype=torch.float32)
     if not with_grad:
         return loss, h.new_empty(0), weight.new_empty(0)
@@ -297,7 +322,9 @@ def _lce_backward(ctx, dloss, _ddh, _ddw):
     return (dh * dloss).to(dh.dtype), (dw * dloss).to(dw.dtype), None, None, None, None, None
 
 
-linear_cross_entropy_fwd.register_autograd(_lce_backward, setup_context=_lce_setup)
+for _op in (linear_cross_entropy_fwd, linear_cross_entropy_sum):
+    _op.register_fake(_lce_fake)
+    _op.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
 # --- functional API -------------------------------------------------------------------------
@@ -387,8 +414,11 @@ def linear_cross_entropy(
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
         raise ValueError(f"linear_cross_entropy: weight must have shape [V, {h.shape[-1]}], got {tuple(weight.shape)}")
     h_ND, targets_N = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    if not fused_ops_enabled():  # e.g. under a mesh: plain math that DTensor can shard
-        return cross_entropy(h_ND @ weight.T, targets_N, ignore_index=ignore_index, z_loss=z_loss)
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     chunk = chunk_size or default_chunk(weight.shape[0], h.element_size())
+    if not fused_ops_enabled():
+        # On a mesh: the sum over this rank's tokens (DTensor adds the shards' sums, see
+        # dtensor_rules.py), divided by the count of all of them.
+        loss_sum = linear_cross_entropy_sum(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]
+        return loss_sum / (targets_N != ignore_index).sum().clamp_min(1).to(torch.float32)
     return linear_cross_entropy_fwd(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]
