@@ -15,6 +15,7 @@ per-GPU peak memory, and the first call's wall time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -41,6 +42,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", type=int, default=3, help="steps to profile for the overlap figure (0: none)")
+    parser.add_argument("--trace", help="write rank 0's profile as a Chrome trace (.json.gz) here")
+    parser.add_argument(
+        "--loss", choices=["plain", "fused"], default="plain",
+        help="fsg on a mesh: the model's head+loss traced as plain math (default) or kept fused "
+        "(linear_cross_entropy with its DTensor rule, experimental: sharded_fused_ops())",
+    )  # fmt: skip
     args = parser.parse_args()
     import logging
 
@@ -93,8 +100,11 @@ def main() -> None:
             return loss
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    from fsg._src.kernels._common import sharded_fused_ops
+
     t0 = time.perf_counter()
-    first = float(run(0))
+    with sharded_fused_ops() if args.loss == "fused" else contextlib.nullcontext():  # stage 1 traces here
+        first = float(run(0))
     compile_s = time.perf_counter() - t0
     for i in range(1, args.warmup):
         run(i)
@@ -106,10 +116,12 @@ def main() -> None:
         loss = run(i)
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    overlap = overlapped_communication(run, args.profile) if args.profile and dev.type == "cuda" else None
+    trace = args.trace if rank == 0 else None
+    overlap = overlapped_communication(run, args.profile, trace) if args.profile and dev.type == "cuda" else None
     if rank == 0:
         out = {
             "impl": args.impl,
+            "loss": args.loss,
             "world": world,
             "ms": ms,
             "tokens_per_s": args.batch * world * args.seq / ms * 1e3,
@@ -134,7 +146,7 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def overlapped_communication(run, steps: int) -> dict:
+def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
     """Profiles ``steps`` steps (CUDA kernels only) and returns how much of the NCCL kernels'
     time ran while a compute kernel was running too: the fraction of communication hidden
     behind compute, as a trace viewer would show it."""
@@ -145,6 +157,8 @@ def overlapped_communication(run, steps: int) -> dict:
         for i in range(steps):
             run(i)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     comm, compute = [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:

@@ -11,6 +11,7 @@ from torch import nn
 import fsg
 import fsg.sharding
 import fsg.testing
+from fsg._src.kernels._common import sharded_fused_ops
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -103,16 +104,18 @@ def check_gpt_fused_loss(axes: dict, preset: str) -> int:
     def loss_fn(params, batch):
         return fsg.apply(model, params, batch["x"], batch["y"])
 
-    fsg.testing.assert_sharded_matches_unsharded(
-        loss_fn, fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
-        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
-        param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
-    )  # fmt: skip
-    step = fsg.compile_step(
-        loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
-        batch_sharding=batch_spec, backend="aot_eager",
-    )  # fmt: skip
-    return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.linear_cross_entropy_sum")
+    with sharded_fused_ops():  # experimental, off by default
+        fsg.testing.assert_sharded_matches_unsharded(
+            loss_fn, fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
+            optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+            param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
+        )  # fmt: skip
+        step = fsg.compile_step(
+            loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
+            batch_sharding=batch_spec, backend="aot_eager",
+        )  # fmt: skip
+        text = step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text()
+    return text.count("fsg.linear_cross_entropy_sum")
 
 
 def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=None) -> list[tuple]:

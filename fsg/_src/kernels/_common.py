@@ -88,6 +88,24 @@ def fused_ops_enabled() -> bool:
     return not _PLAIN_MATH.get()
 
 
+_SHARDED_FUSED = contextvars.ContextVar("fsg_sharded_fused", default=False)
+
+
+def sharded_fused_ops():
+    """Experimental: within this context the ``fsg.nn`` ops that have DTensor sharding rules
+    (``dtensor_rules.py``: ``linear_cross_entropy``) stay fused inside ``plain_math()``, i.e.
+    on a mesh. Off by default: on two H200s the fused loss made the data-parallel step's
+    gradient all-reduces run after the whole backward instead of during it (no overlap; see
+    benchmarks/RESULTS.md), for a reason not found yet. Enter it around the step's first call
+    (when stage 1 traces)."""
+    return _flag(_SHARDED_FUSED)
+
+
+def sharded_fused_enabled() -> bool:
+    """True inside ``sharded_fused_ops()``."""
+    return _SHARDED_FUSED.get()
+
+
 _CAPTURE_WARMUP = contextvars.ContextVar("fsg_capture_warmup", default=False)
 
 
