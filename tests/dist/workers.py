@@ -66,15 +66,19 @@ def check_gpt(axes: dict, specs: dict, batch_spec: tuple) -> float:
     return 0.0
 
 
-def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = None) -> int:
-    """Sharded == unsharded for a preset; returns how many fused AdamW nodes the sharded
-    step's graph has."""
-    rules = {
+def preset_rules(preset: str) -> fsg.sharding.Rules:
+    return {
         "dp": fsg.sharding.data_parallel(),
         "fsdp": fsg.sharding.fsdp("dp"),
         "tp": fsg.sharding.tensor_parallel("tp"),
         "fsdp_tp": fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
     }[preset]
+
+
+def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = None) -> int:
+    """Sharded == unsharded for a preset; returns how many fused AdamW nodes the sharded
+    step's graph has."""
+    rules = preset_rules(preset)
     model = tiny_gpt()
     batch_spec = fsg.P("dp") if "dp" in axes else fsg.P()
     fsg.testing.assert_sharded_matches_unsharded(
@@ -92,12 +96,7 @@ def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = Non
 def check_gpt_fused_loss(axes: dict, preset: str) -> int:
     """The GPT's own loss (``fsg.nn.linear_cross_entropy``, the head fused with the loss)
     sharded == unsharded; returns how many fused loss nodes the per-rank graph has."""
-    rules = {
-        "dp": fsg.sharding.data_parallel(),
-        "fsdp": fsg.sharding.fsdp("dp"),
-        "tp": fsg.sharding.tensor_parallel("tp"),
-        "fsdp_tp": fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
-    }[preset]
+    rules = preset_rules(preset)
     model = tiny_gpt()
     batch_spec = fsg.P("dp") if "dp" in axes else fsg.P()
 

@@ -276,34 +276,28 @@ def _linear_ce(h, weight, targets, ignore_index: int, z_loss: float, chunk: int,
     return loss_N.sum() * scale, dh, dw
 
 
-@torch.library.custom_op("fsg::linear_cross_entropy_fwd", mutates_args=())
-def linear_cross_entropy_fwd(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    z_loss: float,
-    chunk: int,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean loss, dloss/dh, dloss/dweight)`` of ``cross_entropy(h @ weight.T, targets)``;
-    the gradients are empty when ``with_grad`` is false."""
-    return _linear_ce(h, weight, targets, ignore_index, z_loss, chunk, with_grad, mean=True)
+def _linear_ce_op(name: str, mean: bool):
+    @torch.library.custom_op(f"fsg::{name}", mutates_args=())
+    def op(
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        z_loss: float,
+        chunk: int,
+        with_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _linear_ce(h, weight, targets, ignore_index, z_loss, chunk, with_grad, mean=mean)
+
+    return op
 
 
-@torch.library.custom_op("fsg::linear_cross_entropy_sum", mutates_args=())
-def linear_cross_entropy_sum(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    ignore_index: int,
-    z_loss: float,
-    chunk: int,
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As ``linear_cross_entropy_fwd`` with the rows' sum instead of their mean: what a
-    mesh runs, since sums over token shards add up (``dtensor_rules.py``)."""
-    return _linear_ce(h, weight, targets, ignore_index, z_loss, chunk, with_grad, mean=False)
+# ``(mean loss, dloss/dh, dloss/dweight)`` of ``cross_entropy(h @ weight.T, targets)``; the
+# gradients are empty when ``with_grad`` is false.
+linear_cross_entropy_fwd = _linear_ce_op("linear_cross_entropy_fwd", mean=True)
+# The same with the rows' sum instead of their mean: what a mesh runs, since sums over token
+# shards add up (dtensor_rules.py).
+linear_cross_entropy_sum = _linear_ce_op("linear_cross_entropy_sum", mean=False)
 
 
 def _lce_fake(h, weight, targets, ignore_index, z_loss, chunk, with_grad):
