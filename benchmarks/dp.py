@@ -15,7 +15,6 @@ per-GPU peak memory, and the first call's wall time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -44,9 +43,9 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=3, help="steps to profile for the overlap figure (0: none)")
     parser.add_argument("--trace", help="write rank 0's profile as a Chrome trace (.json.gz) here")
     parser.add_argument(
-        "--loss", choices=["plain", "fused"], default="plain",
-        help="fsg on a mesh: the model's head+loss traced as plain math (default) or kept fused "
-        "(linear_cross_entropy with its DTensor rule, experimental: sharded_fused_ops())",
+        "--loss", choices=["fused", "logits"], default="fused",
+        help="fsg: the model's fused head+loss (linear_cross_entropy, which keeps its kernel on a "
+        "mesh) or fsg.nn.cross_entropy on full logits (plain math on a mesh)",
     )  # fmt: skip
     args = parser.parse_args()
     import logging
@@ -64,7 +63,9 @@ def main() -> None:
     if args.impl.startswith("fsg"):
         mesh = fsg.Mesh({"dp": world}, device_type=dev.type) if world > 1 else None
         step = fsg.compile_step(
-            lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
+            (lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]))
+            if args.loss == "fused"
+            else (lambda params, batch: fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])),
             mesh,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
             precision=fsg.Policy(compute=torch.bfloat16),
@@ -100,11 +101,8 @@ def main() -> None:
             return loss
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    from fsg._src.kernels._common import sharded_fused_ops
-
     t0 = time.perf_counter()
-    with sharded_fused_ops() if args.loss == "fused" else contextlib.nullcontext():  # stage 1 traces here
-        first = float(run(0))
+    first = float(run(0))
     compile_s = time.perf_counter() - t0
     for i in range(1, args.warmup):
         run(i)

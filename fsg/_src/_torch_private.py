@@ -72,9 +72,14 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+def inductor_compile(
+    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
     """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
     dtypes and strides, without Dynamo re-tracing the graph (``standalone_compile``, torch
     2.8+). AOTAutograd's and Inductor's on-disk caches apply as they do under
-    ``torch.compile``; the result is called with tensors like ``example_inputs``."""
-    return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs")
+    ``torch.compile``; the result is called with tensors like ``example_inputs``. ``options``
+    are keyword arguments of ``compile_fx`` (``config_patches``: Inductor config overrides)."""
+    return torch._inductor.standalone_compile(
+        gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options
+    )

@@ -50,6 +50,13 @@ class InductorStep:
 
     def __init__(self, gm: fx.GraphModule):
         self._gm = gm
+        # A step with collectives keeps its node order: the overlap pass placed each gradient
+        # collective right after its last input, and Inductor's peak-memory reordering moved
+        # them all after the backward on two H200s (no overlap; benchmarks/RESULTS.md).
+        has_collectives = any(
+            n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes
+        )
+        self._options = {"config_patches": {"reorder_for_peak_memory": False}} if has_collectives else None
         self._compiled: dict[tuple, Callable[..., Any]] = {}
         self._last: tuple[tuple, Callable[..., Any]] | None = None
 
@@ -60,7 +67,7 @@ class InductorStep:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs))
+            fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
             log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
         self._last = (key, fn)
         return fn(*inputs)

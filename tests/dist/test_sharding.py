@@ -161,7 +161,15 @@ def test_the_fused_optimizer_on_a_mesh_updates_each_ranks_shards(ranks, world, a
     "world, axes, preset",
     [(2, {"dp": 2}, "dp"), (2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")],
 )
-def test_the_fused_linear_cross_entropy_stays_fused_on_a_mesh_when_asked(ranks, world, axes, preset):
-    """Inside sharded_fused_ops() (experimental). Its DTensor rule: each rank sums the loss over its tokens; the sums and the weight
+def test_the_fused_linear_cross_entropy_stays_fused_on_a_mesh(ranks, world, axes, preset):
+    """Its DTensor rule: each rank sums the loss over its tokens; the sums and the weight
     gradient are reduced over the ranks (a vocabulary-sharded weight is gathered first)."""
     assert ranks(world).run(workers.check_gpt_fused_loss, axes, preset) == [1] * world
+
+
+def test_a_step_with_collectives_keeps_its_order_through_inductor(ranks):
+    """Inductor's peak-memory reordering moved every bucketed all-reduce after the backward on
+    two H200s; a graph with collectives is compiled without it, a single-device one with it."""
+    on_mesh = ranks(2).run(workers.inductor_options, {"dp": 2})
+    assert on_mesh == [{"config_patches": {"reorder_for_peak_memory": False}}] * 2
+    assert workers.inductor_options(None) is None

@@ -11,7 +11,6 @@ from torch import nn
 import fsg
 import fsg.sharding
 import fsg.testing
-from fsg._src.kernels._common import sharded_fused_ops
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -103,18 +102,28 @@ def check_gpt_fused_loss(axes: dict, preset: str) -> int:
     def loss_fn(params, batch):
         return fsg.apply(model, params, batch["x"], batch["y"])
 
-    with sharded_fused_ops():  # experimental, off by default
-        fsg.testing.assert_sharded_matches_unsharded(
-            loss_fn, fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
-            optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
-            param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
-        )  # fmt: skip
-        step = fsg.compile_step(
-            loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
-            batch_sharding=batch_spec, backend="aot_eager",
-        )  # fmt: skip
-        text = step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text()
-    return text.count("fsg.linear_cross_entropy_sum")
+    fsg.testing.assert_sharded_matches_unsharded(
+        loss_fn, fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+    step = fsg.compile_step(
+        loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
+        batch_sharding=batch_spec, backend="aot_eager",
+    )  # fmt: skip
+    return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.linear_cross_entropy_sum")
+
+
+def inductor_options(axes: dict | None) -> object:
+    """The Inductor options stage 4 will compile a step with, on a mesh and on one device."""
+    model = mlp()
+    step = fsg.compile_step(
+        mse_loss_fn(model), fsg.testing.mesh(axes) if axes else None, optimizer=fsg.optim.sgd(0.1)
+    )
+    state = step.init(fsg.params(model))
+    batch = regression_batch(n=16)
+    signature = step._signature(state, batch)[0]
+    return step._compile(signature, state, batch).fn._options
 
 
 def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=None) -> list[tuple]:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import fsg
 from fsg._src.kernels import cross_entropy as K
-from fsg._src.kernels._common import plain_math, sharded_fused_ops
+from fsg._src.kernels._common import plain_math
 from tests.kernels.common import KERNEL, needs_triton, rel
 
 pytestmark = needs_triton
@@ -146,26 +146,14 @@ def test_traced_step_has_one_fused_node_and_trains():
     assert float(metrics["loss"]) < first
 
 
-def test_plain_math_traces_torch_ops_only():
-    """Under a mesh fsg.nn traces plain math (DTensor shards torch ops, not opaque kernels)."""
+def test_plain_math_traces_torch_ops_except_the_ones_with_sharding_rules():
+    """Under a mesh fsg.nn traces plain math (DTensor shards torch ops, not opaque kernels),
+    except ops with a DTensor rule: linear_cross_entropy as a sum over rows, then a mean."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     params = {"proj": torch.randn(6, 8), "norm": torch.ones(8), "embed": torch.randn(37, 8)}
     batch = {"x": torch.randn(20, 6), "y": torch.randint(0, 37, (20,))}
     with plain_math():
-        gm = make_fx(_gpt_like_loss)(params, batch)
-    assert "fsg." not in gm.code
-    assert rel(gm(params, batch), _gpt_like_loss(params, batch)) < 1e-5
-
-
-def test_sharded_fused_ops_keep_the_ops_with_sharding_rules():
-    """Opted in, the ops with a DTensor rule stay fused under plain math: linear_cross_entropy
-    as a sum over rows, then a mean."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    params = {"proj": torch.randn(6, 8), "norm": torch.ones(8), "embed": torch.randn(37, 8)}
-    batch = {"x": torch.randn(20, 6), "y": torch.randint(0, 37, (20,))}
-    with plain_math(), sharded_fused_ops():
         gm = make_fx(_gpt_like_loss)(params, batch)
     fsg_ops = {line.split("(")[0].split("= ")[-1] for line in gm.code.splitlines() if "fsg." in line}
     assert fsg_ops == {"torch.ops.fsg.linear_cross_entropy_sum.default"}

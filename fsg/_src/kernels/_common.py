@@ -75,10 +75,12 @@ _PLAIN_MATH = contextvars.ContextVar("fsg_plain_math", default=False)
 
 
 def plain_math():
-    """Within this context ``fsg.nn`` traces its eager references instead of the fused ops.
+    """Within this context ``fsg.nn`` traces its eager references instead of the fused ops
+    that have no DTensor sharding rule.
 
     Stage 2 shards the traced graph with DTensor, which has sharding rules for torch's ops but
-    not for fsg's opaque kernels; a step on a mesh is therefore traced in plain math.
+    not for fsg's opaque kernels; a step on a mesh is therefore traced in plain math, except
+    the ops given rules in ``dtensor_rules.py`` (``linear_cross_entropy``).
     """
     return _flag(_PLAIN_MATH)
 
@@ -86,24 +88,6 @@ def plain_math():
 def fused_ops_enabled() -> bool:
     """False inside ``plain_math()``."""
     return not _PLAIN_MATH.get()
-
-
-_SHARDED_FUSED = contextvars.ContextVar("fsg_sharded_fused", default=False)
-
-
-def sharded_fused_ops():
-    """Experimental: within this context the ``fsg.nn`` ops that have DTensor sharding rules
-    (``dtensor_rules.py``: ``linear_cross_entropy``) stay fused inside ``plain_math()``, i.e.
-    on a mesh. Off by default: on two H200s the fused loss made the data-parallel step's
-    gradient all-reduces run after the whole backward instead of during it (no overlap; see
-    benchmarks/RESULTS.md), for a reason not found yet. Enter it around the step's first call
-    (when stage 1 traces)."""
-    return _flag(_SHARDED_FUSED)
-
-
-def sharded_fused_enabled() -> bool:
-    """True inside ``sharded_fused_ops()``."""
-    return _SHARDED_FUSED.get()
 
 
 _CAPTURE_WARMUP = contextvars.ContextVar("fsg_capture_warmup", default=False)

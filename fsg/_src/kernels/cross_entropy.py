@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fsg._src.kernels._common import fused_ops_enabled, sharded_fused_enabled, use_triton
+from fsg._src.kernels._common import fused_ops_enabled, use_triton
 
 BLOCK_V = 4096  # vocabulary columns per iteration of a row's loop
 
@@ -410,11 +410,9 @@ def linear_cross_entropy(
     h_ND, targets_N = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     chunk = chunk_size or default_chunk(weight.shape[0], h.element_size())
-    if not fused_ops_enabled() and not sharded_fused_enabled():  # e.g. under a mesh: plain math
-        return cross_entropy(h_ND @ weight.T, targets_N, ignore_index=ignore_index, z_loss=z_loss)
     if not fused_ops_enabled():
-        # On a mesh, opted in: the sum over this rank's tokens (DTensor adds the shards' sums,
-        # see dtensor_rules.py), divided by the count of all of them.
+        # On a mesh: the sum over this rank's tokens (DTensor adds the shards' sums, see
+        # dtensor_rules.py), divided by the count of all of them.
         loss_sum = linear_cross_entropy_sum(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]
         return loss_sum / (targets_N != ignore_index).sum().clamp_min(1).to(torch.float32)
     return linear_cross_entropy_fwd(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]

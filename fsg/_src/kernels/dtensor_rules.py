@@ -2,7 +2,7 @@
 
 Stage 2 runs the traced step on DTensors; an op without a rule cannot run there, which is why
 ``fsg.nn`` traces plain math on a mesh (``plain_math()``). The ops below have rules and stay
-fused on a mesh inside ``sharded_fused_ops()`` (experimental, off by default: see there):
+fused on a mesh:
 
 - ``fsg::linear_cross_entropy_sum(h, W, targets, ...) -> (loss_sum, dh, dW)``: rows are
   independent, so with the tokens sharded (``h`` and ``targets`` on dim 0, ``W`` whole) each
