@@ -35,19 +35,20 @@ class AdamWSpec(NamedTuple):
     weight_decay: float
     mask: Any
     learning_rate: Any  # a float or a schedule
+    decay_state: bool = True  # adamw's chain has add_decayed_weights (EmptyState) in the middle
 
 
 _SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register_adamw(transformation: Any, spec: AdamWSpec) -> Any:
-    """Marks ``transformation`` (built by ``fsg.optim.adamw``) as fusable; returns it."""
+    """Marks ``transformation`` (built by ``fsg.optim.adamw`` or ``adam``) as fusable; returns it."""
     _SPECS[transformation.update] = spec
     return transformation
 
 
 def adamw_spec(optimizer: Any) -> AdamWSpec | None:
-    """The spec of an ``fsg.optim.adamw`` optimizer; ``None`` for any other."""
+    """The spec of an ``fsg.optim.adamw`` or ``adam`` optimizer; ``None`` for any other."""
     return _SPECS.get(optimizer.update)
 
 
@@ -65,7 +66,7 @@ class _AdamWLeaves(NamedTuple):
 def _adamw_leaves(state: Any) -> _AdamWLeaves:
     leaves, state_def = tree.flatten(state)
     index = tree.unflatten(state_def, list(range(len(leaves))))
-    adam, _, lr_state = index.opt_state  # chain(scale_by_adam, add_decayed_weights, scale_by_lr)
+    adam, *_, lr_state = index.opt_state  # chain(scale_by_adam, [add_decayed_weights,] scale_by_lr)
     ids = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
     return _AdamWLeaves(leaves, *ids, adam.count, lr_state.learning_rate)
 
@@ -87,18 +88,15 @@ def stand_in(optimizer: Any) -> Any:
         moment = tree.tree_map(lambda m, g: g.to(m.dtype), state.mu, updates)
         return updates, ScaleByAdamState(state.count + 1, moment, moment)
 
-    return chain(
-        GradientTransformation(adam.init, adam_update),
-        GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s)),  # decay
-        scale_by_learning_rate(spec.learning_rate),
-    )
+    decay = [GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))] * spec.decay_state
+    return chain(GradientTransformation(adam.init, adam_update), *decay, scale_by_learning_rate(spec.learning_rate))
 
 
 def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
     """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
     (``None`` when it can)."""
     if adamw_spec(optimizer) is None:
-        return "the optimizer is not fsg.optim.adamw (a chain around it is traced as math)"
+        return "the optimizer is not fsg.optim.adam or fsg.optim.adamw (a chain around one is traced as math)"
     if not donate:
         return "donate=False (the fused kernel updates the state in place)"
     at = _adamw_leaves(state)

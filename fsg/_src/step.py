@@ -394,7 +394,7 @@ def compile_step(
       fused_optimizer: replace the traced ``fsg.optim.adamw`` update by the fused Triton
         kernel (one launch per dtype group, in place; on a mesh each rank updates its own
         pieces after the gradient reductions). ``None`` (default): on CUDA, when the optimizer
-        is ``adamw`` and ``donate=True``; ``True``: always (also
+        is ``adamw`` or ``adam`` and ``donate=True``; ``True``: always (also
         on CPU, under ``TRITON_INTERPRET=1`` or via its eager reference), raising if it
         cannot; ``False``: never.
       cuda_graph: replay the whole compiled step as one CUDA graph from its third call on

@@ -102,8 +102,8 @@ def test_lowered_step_shows_one_fused_node_and_no_traced_update():
 
 def test_fused_optimizer_true_explains_why_it_cannot():
     model = mlp()
-    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adam(1e-3), fused_optimizer=True)
-    with pytest.raises(fsg.UnsupportedError, match="not fsg.optim.adamw"):
+    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.lion(1e-3), fused_optimizer=True)
+    with pytest.raises(fsg.UnsupportedError, match="not fsg.optim.adam or fsg.optim.adamw"):
         step(step.init(fsg.params(model)), regression_batch())
     step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-3), donate=False, fused_optimizer=True)
     with pytest.raises(fsg.UnsupportedError, match="donate=False"):
@@ -152,3 +152,20 @@ def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch):
         plain_state, pm = plain(plain_state, regression_batch(seed=i))
     for a, b in zip(fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(plain_state)[0]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_adam_takes_the_fused_kernel_too(backend):
+    """fsg.optim.adam is AdamW without decay (and without the decay's empty state)."""
+    steps, states = {}, {}
+    for fused in (True, False):
+        model = mlp()
+        opt = fsg.optim.adam(fsg.optim.warmup_cosine(1e-2, warmup=2, total=20), b2=0.95)
+        steps[fused] = fsg.compile_step(mse_loss_fn(model), optimizer=opt, backend=backend, fused_optimizer=fused)
+        states[fused] = steps[fused].init(fsg.params(model))
+    assert steps[True].lower(states[True], regression_batch()).as_text().count("fsg.fused_adamw_") == 1
+    for i in range(5):
+        for fused in (True, False):
+            states[fused], _ = steps[fused](states[fused], regression_batch(seed=i))
+    for a, b in zip(fsg._src.tree.flatten(states[True])[0], fsg._src.tree.flatten(states[False])[0]):
+        assert rel(a, b) < 1e-6

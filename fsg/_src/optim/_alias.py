@@ -39,7 +39,10 @@ def adam(
     Example:
       >>> opt = fsg.optim.adam(1e-3)
     """
-    return chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+    transformation = chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+    # AdamW without decay: compile_step may use the fused AdamW kernel (fsg/_src/fusion.py).
+    spec = fusion.AdamWSpec(b1, b2, eps, 0.0, None, learning_rate, decay_state=False)
+    return fusion.register_adamw(transformation, spec)
 
 
 def adamw(
