@@ -177,7 +177,21 @@ class Step:
         return built
 
     def _build_local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
-        traced = self._trace(state, batch, optimizer, mark_grads)
+        """Stage 1 on one device (``mark_grads``: for the fusion pass, which finds the
+        gradients by their markers)."""
+        t0 = time.perf_counter()
+        traced = trace_lib.trace(
+            self._loss_fn,
+            optimizer,
+            state,
+            batch,
+            donate=self._donate,
+            precision=self._precision,
+            accum_steps=self._accum_steps,
+            mark_grads=mark_grads,
+        )
+        n = len(traced.graph_module.graph.nodes)
+        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
         return _Compiled(traced, traced.graph_module, None, None)
 
     def _build_mesh(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
@@ -229,24 +243,6 @@ class Step:
         n_local = len(local.graph.nodes)
         log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
         return _Compiled(traced, local, None, plan)
-
-    def _trace(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool):
-        """Stage 1 on one device (``mark_grads``: for the fusion pass, which finds the
-        gradients by their markers)."""
-        t0 = time.perf_counter()
-        traced = trace_lib.trace(
-            self._loss_fn,
-            optimizer,
-            state,
-            batch,
-            donate=self._donate,
-            precision=self._precision,
-            accum_steps=self._accum_steps,
-            mark_grads=mark_grads,
-        )
-        n = len(traced.graph_module.graph.nodes)
-        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
-        return traced
 
     def _fuse_optimizer(self, state: Any) -> bool:
         """Whether stage 3 swaps in the fused AdamW kernel: by default on CUDA whenever it
