@@ -1,21 +1,30 @@
-"""Data-parallel GPT-2 train step on several GPUs: fsg on a ``dp`` mesh beside DDP.
+"""GPT train step on several GPUs: fsg on a mesh beside DDP and FSDP2, one command per run.
 
-    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg                 # data parallel
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg-graph           # + CUDA-graph replay
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp
-    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg-graph   # + CUDA-graph replay
+    torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsg --sharding fsdp --model 1.3b
+    torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsdp2 --model 1.3b
+    torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
 
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
---batch sequences of 1024 tokens per GPU. fsg: ``fsg.compile_step`` on
-``fsg.Mesh({"dp": world})`` (the batch is sharded on dim 0, gradients all-reduced in the one
-graph). ddp: ``DDP(torch.compile(model))`` with autocast and ``AdamW(fused=True)``. Rank 0
-prints one JSON line: mean step time over --steps after --warmup steps, global tokens/s,
-per-GPU peak memory, and the first call's wall time.
+--batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
+``fsg.Mesh(--mesh)`` (default ``dp=<world>``) with the ``--sharding`` preset; the batch is
+sharded over ``dp``. ddp: ``DDP(torch.compile(model))`` with autocast and
+``AdamW(fused=True)``. fsdp2: ``fully_shard`` of each block and of the model over the GPUs
+(``MixedPrecisionPolicy``: bf16 compute, float32 gradient reduction), each block
+``torch.compile``d, ``AdamW(foreach=True)`` (torchtitan's recipe without tensor parallelism:
+the example GPT's fused qkv projection needs a head-aware plan first). With one process:
+the one-GPU baselines. Rank 0 prints one JSON line: mean step time over --steps after
+--warmup steps, global tokens/s, MFU, per-GPU peak memory, the first call's wall time and,
+from a CUDA profile, the fraction of communication that ran beside compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -26,15 +35,34 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsg  # noqa: E402
+import fsg.sharding  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
-MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 128)}
+MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
+PEAK_TFLOPS = 989.0  # H200 dense bf16
+PRESETS = {
+    "dp": lambda: fsg.sharding.data_parallel(),
+    "fsdp": lambda: fsg.sharding.fsdp("dp"),
+    "tp": lambda: fsg.sharding.tensor_parallel("tp"),
+    "fsdp_tp": lambda: fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
+}
+
+
+def _mesh_axes(spec: str | None, world: int) -> dict[str, int]:
+    if not spec:
+        return {"dp": world}
+    axes = {name: int(size) for name, size in (part.split("=") for part in spec.split(","))}
+    if math.prod(axes.values()) != world:
+        raise SystemExit(f"--mesh {spec} has {math.prod(axes.values())} devices, not {world}")
+    return axes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", choices=["fsg", "fsg-graph", "ddp"], required=True)
+    parser.add_argument("--impl", choices=["fsg", "fsg-graph", "ddp", "fsdp2"], required=True)
+    parser.add_argument("--mesh", help="fsg's mesh, e.g. dp=2,tp=2 (default: dp=<world size>)")
+    parser.add_argument("--sharding", choices=sorted(PRESETS), default="dp", help="fsg's sharding preset")
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=1024)
@@ -57,11 +85,14 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
+    n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    axes = _mesh_axes(args.mesh, world) if args.impl.startswith("fsg") else {"dp": world}
+    dp = axes.get("dp", 1)
     g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 50304, (args.batch * world, args.seq + 1), generator=g) for _ in range(4)]
+    data = [torch.randint(0, 50304, (args.batch * dp, args.seq + 1), generator=g) for _ in range(4)]
 
     if args.impl.startswith("fsg"):
-        mesh = fsg.Mesh({"dp": world}, device_type=dev.type) if world > 1 else None
+        mesh = fsg.Mesh(axes, device_type=dev.type) if world > 1 else None
         step = fsg.compile_step(
             (lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]))
             if args.loss == "fused"
@@ -70,6 +101,8 @@ def main() -> None:
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
             precision=fsg.Policy(compute=torch.bfloat16),
             cuda_graph=True if args.impl == "fsg-graph" else None,
+            param_sharding=PRESETS[args.sharding]() if mesh is not None else None,
+            batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
         )
         state = [step.init(fsg.params(model))]
         for p in model.parameters():
@@ -81,12 +114,22 @@ def main() -> None:
             return metrics["loss"]
 
     else:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         cuda = dev.type == "cuda"
-        compiled = torch.compile(model)
-        ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+        if args.impl == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = torch.compile(block)
+                fully_shard(model.blocks[i], mp_policy=policy)
+            ddp = fully_shard(model, mp_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=True)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            compiled = torch.compile(model)
+            ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
         rows = slice(rank * args.batch, (rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
 
@@ -121,8 +164,17 @@ def main() -> None:
             "impl": args.impl,
             "loss": args.loss,
             "world": world,
+            "mesh": axes,
+            "sharding": args.sharding if args.impl.startswith("fsg") else args.impl,
+            "model": args.model,
             "ms": ms,
-            "tokens_per_s": args.batch * world * args.seq / ms * 1e3,
+            "tokens_per_s": args.batch * dp * args.seq / ms * 1e3,
+            "mfu": (6 * n_params + 12 * layers * args.seq * dim)
+            * args.batch
+            * dp
+            * args.seq
+            / (ms / 1e3)
+            / (PEAK_TFLOPS * 1e12 * world),
             "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "compile_s": compile_s,
             "overlap": overlap,
