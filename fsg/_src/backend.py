@@ -43,7 +43,7 @@ class InductorStep:
 
     The graph is already an aten graph, so it goes to Inductor directly
     (``_torch_private.inductor_compile``): Dynamo does not trace it a second time, which was
-    a third of a warm start. Inductor specializes on the inputs' strides as well as their
+    about a third of a warm start on the VM. Inductor specializes on the inputs' strides as well as their
     shapes; a call whose strides differ (a transposed batch, say) compiles once more for
     them, as ``torch.compile``'s guards would.
     """
