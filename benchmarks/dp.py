@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsg --sharding fsdp --model 1.3b
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsdp2 --model 1.3b
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
+    torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --check
 
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
 --batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
@@ -71,6 +72,11 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=3, help="steps to profile for the overlap figure (0: none)")
     parser.add_argument("--trace", help="write rank 0's profile as a Chrome trace (.json.gz) here")
     parser.add_argument(
+        "--check", action="store_true",
+        help="instead of timing: fsg on the mesh == fsg on one device over 3 steps (float32 compute, "
+        "fsg.testing.assert_sharded_matches_unsharded), e.g. the 2-D mesh on NCCL",
+    )  # fmt: skip
+    parser.add_argument(
         "--loss", choices=["fused", "logits"], default="fused",
         help="fsg: the model's fused head+loss (linear_cross_entropy, which keeps its kernel on a "
         "mesh) or fsg.nn.cross_entropy on full logits (plain math on a mesh)",
@@ -91,6 +97,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 50304, (args.batch * dp, args.seq + 1), generator=g) for _ in range(4)]
 
+    if args.check:
+        return check_equivalence(args, model, axes, data, dev)
     if args.impl.startswith("fsg"):
         mesh = fsg.Mesh(axes, device_type=dev.type) if world > 1 else None
         step = fsg.compile_step(
@@ -183,6 +191,23 @@ def main() -> None:
             "torch": torch.__version__,
         }
         print("RESULT " + json.dumps(out), flush=True)
+    fsg.distributed.shutdown()
+
+
+def check_equivalence(args, model, axes: dict, data: list, dev) -> None:
+    """The sharded step against the unsharded one, batch by batch (raises on a mismatch)."""
+    import fsg.testing
+
+    batches = [{"x": d[:, :-1].to(dev), "y": d[:, 1:].to(dev)} for d in data[:3]]
+    fsg.testing.assert_sharded_matches_unsharded(
+        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
+        fsg.params(model), batches, fsg.Mesh(axes, device_type=dev.type),
+        optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+        param_sharding=PRESETS[args.sharding](), batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
+        rtol=1e-4, atol=1e-5, backend="inductor",
+    )  # fmt: skip
+    if dist.get_rank() == 0:
+        print(f"CHECK ok: {args.sharding} on {axes}, {args.model}, 3 steps equal to one device", flush=True)
     fsg.distributed.shutdown()
 
 
