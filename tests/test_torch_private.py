@@ -86,3 +86,11 @@ def test_trace_fake_records_source_lines_only_when_asked():
     mul = [n for n in with_lines.graph.nodes if n.target is torch.ops.aten.mul.Tensor][0]
     assert "test_torch_private.py" in mul.meta["stack_trace"]
     assert not any(n.meta.get("stack_trace") for n in plain.graph.nodes)
+
+
+def test_register_sharding_takes_an_op():
+    """Used by fsg/_src/kernels/dtensor_rules.py (its behaviour is tested on gloo meshes in
+    tests/dist/test_sharding.py)."""
+    import inspect
+
+    assert list(inspect.signature(_torch_private.register_sharding).parameters) == ["op"]
