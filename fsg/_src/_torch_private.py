@@ -27,6 +27,7 @@ __all__ = [
     "WAIT_TENSOR",
     "fake_mode",
     "inductor_compile",
+    "is_collective",
     "register_sharding",
     "trace_fake",
 ]
@@ -54,6 +55,11 @@ WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 # torch 2.11 and 2.13); ``fn`` returns ``[(output placements, input placements), ...]`` for one
 # mesh dim, which DTensor expands over the mesh.
 register_sharding = register_sharding
+
+
+def is_collective(target: Any) -> bool:
+    """Whether an FX node target is one of the functional collectives (or their waits)."""
+    return isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
 
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False) -> torch.fx.GraphModule:

@@ -53,9 +53,7 @@ class InductorStep:
         # A step with collectives keeps its node order: the overlap pass placed each gradient
         # collective right after its last input, and Inductor's peak-memory reordering moved
         # them all after the backward on two H200s (no overlap; benchmarks/RESULTS.md).
-        has_collectives = any(
-            n.op == "call_function" and str(n.target).startswith("_c10d_functional.") for n in gm.graph.nodes
-        )
+        has_collectives = any(_torch_private.is_collective(n.target) for n in gm.graph.nodes)
         self._options = {"config_patches": {"reorder_for_peak_memory": False}} if has_collectives else None
         self._compiled: dict[tuple, Callable[..., Any]] = {}
         self._last: tuple[tuple, Callable[..., Any]] | None = None

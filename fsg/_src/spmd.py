@@ -233,9 +233,7 @@ def collectives(gm: fx.GraphModule, mesh: Mesh | None) -> list[Collective]:
     table: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
         target = node.target
-        if node.op != "call_function" or not isinstance(target, _torch_private.OpOverload):
-            continue
-        if target.namespace != "_c10d_functional" or target._opname == "wait_tensor":
+        if not _torch_private.is_collective(target) or target._opname == "wait_tensor":
             continue
         group = next((a for a in node.args if isinstance(a, str) and a in names), None)
         axis = names.get(group, "+".join(mesh.axis_names) if mesh is not None else "?")

@@ -156,13 +156,9 @@ class Step:
         batch. When the fused AdamW kernel will replace the optimizer update, stage 1 traces
         a stand-in for the update's math (``fusion.stand_in``); should the fusion pass then
         refuse the graph, everything is traced again with the real math."""
+        build = self._build_local if self._mesh is None else self._build_mesh
         fuse = self._fuse_optimizer(state)
-        optimizer = fusion.stand_in(self._optimizer) if fuse else self._optimizer
-        built = (
-            self._build_local(state, batch, optimizer, fuse)
-            if self._mesh is None
-            else self._build_mesh(state, batch, optimizer, fuse)
-        )
+        built = build(state, batch, fusion.stand_in(self._optimizer) if fuse else self._optimizer, fuse)
         if fuse:
             try:
                 fusion.fuse_adamw(built.graph, state, self._optimizer)
@@ -170,7 +166,6 @@ class Step:
             except UnsupportedError:
                 if self._fused_optimizer:  # asked for; by default the traced math runs
                     raise
-                build = self._build_local if self._mesh is None else self._build_mesh
                 built = build(state, batch, self._optimizer, False)
         if self._mesh is not None and self._bucket_mb:  # stage 3: bucket gradient collectives
             overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)

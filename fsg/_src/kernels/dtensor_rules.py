@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fsg._src import _torch_private
-from fsg._src.kernels import cross_entropy  # noqa: F401 - registers the ops
+from fsg._src.kernels import linear_cross_entropy  # noqa: F401 - registers the ops
 
 LINEAR_CROSS_ENTROPY_SUM = torch.ops.fsg.linear_cross_entropy_sum.default
 
