@@ -12,7 +12,8 @@ Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and A
 --batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
 ``fsg.Mesh(--mesh)`` (default ``dp=<world>``) with the ``--sharding`` preset; the batch is
 sharded over ``dp``. ddp: ``DDP(torch.compile(model))`` with autocast and
-``AdamW(fused=True)``. fsdp2: ``fully_shard`` of each block and of the model over the GPUs
+``AdamW(fused=True)``. --reduce bfloat16 reduces gradients in bf16 (fsg's
+``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2: ``fully_shard`` of each block and of the model over the GPUs
 (``MixedPrecisionPolicy``: bf16 compute, float32 gradient reduction), each block
 ``torch.compile``d, ``AdamW(foreach=True)`` (torchtitan's recipe without tensor parallelism:
 the example GPT's fused qkv projection needs a head-aware plan first). With one process:
@@ -81,7 +82,21 @@ def main() -> None:
         help="fsg: the model's fused head+loss (linear_cross_entropy, which keeps its kernel on a "
         "mesh) or fsg.nn.cross_entropy on full logits (plain math on a mesh)",
     )  # fmt: skip
+    parser.add_argument(
+        "--reduce", choices=["float32", "bfloat16"], default="float32",
+        help="the dtype gradients are reduced in: fsg.Policy(reduce=...), DDP's bf16_compress_hook, "
+        "FSDP2's MixedPrecisionPolicy(reduce_dtype=...)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-update-on-arrival", action="store_true",
+        help="fsg: one fused AdamW after every reduction (A/B of the per-bucket update pass)",
+    )  # fmt: skip
     args = parser.parse_args()
+    reduce_dtype = getattr(torch, args.reduce)
+    if args.no_update_on_arrival:
+        from fsg._src import fusion
+
+        fusion.update_on_arrival = lambda gm: 1  # benchmark A/B only
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # fsg's per-stage timings
@@ -107,7 +122,7 @@ def main() -> None:
             else (lambda params, batch: fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])),
             mesh,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16),
+            precision=fsg.Policy(compute=torch.bfloat16, reduce=None if args.reduce == "float32" else reduce_dtype),
             cuda_graph=True if args.impl == "fsg-graph" else None,
             param_sharding=PRESETS[args.sharding]() if mesh is not None else None,
             batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
@@ -126,7 +141,7 @@ def main() -> None:
         if args.impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
             for i, block in enumerate(model.blocks):
                 model.blocks[i] = torch.compile(block)
                 fully_shard(model.blocks[i], mp_policy=policy)
@@ -137,6 +152,10 @@ def main() -> None:
 
             compiled = torch.compile(model)
             ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
+            if world > 1 and args.reduce == "bfloat16":
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+                ddp.register_comm_hook(None, bf16_compress_hook)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
         rows = slice(rank * args.batch, (rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
@@ -174,6 +193,8 @@ def main() -> None:
             "world": world,
             "mesh": axes,
             "sharding": args.sharding if args.impl.startswith("fsg") else args.impl,
+            "reduce": args.reduce,
+            "update_on_arrival": not args.no_update_on_arrival,
             "model": args.model,
             "ms": ms,
             "tokens_per_s": args.batch * dp * args.seq / ms * 1e3,
@@ -243,12 +264,31 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
     busy = _union(compute)
     comm_us = sum(b - a for a, b in _union(comm))
     hidden = 0.0
+    exposed = []  # the stretches of communication with no compute beside it
     for a, b in _union(comm):
-        hidden += sum(max(0.0, min(b, d) - max(a, c)) for c, d in busy)
+        overlap = [(max(a, c), min(b, d)) for c, d in busy if min(b, d) > max(a, c)]
+        hidden += sum(y - x for x, y in overlap)
+        cursor = a
+        for x, y in overlap:
+            if x > cursor:
+                exposed.append((cursor, x))
+            cursor = max(cursor, y)
+        if b > cursor:
+            exposed.append((cursor, b))
+    everything = _union(comm + compute)
+    window = (everything[0][0], everything[-1][1]) if everything else (0.0, 0.0)
+    idle = (window[1] - window[0]) - sum(b - a for a, b in everything)
+    longest = sorted(exposed, key=lambda ab: ab[0] - ab[1])[:6]
     return {
         "comm_ms_per_step": comm_us / 1e3 / steps,
         "hidden_fraction": hidden / comm_us if comm_us else None,
         "compute_ms_per_step": sum(b - a for a, b in busy) / 1e3 / steps,
+        "exposed_ms_per_step": (comm_us - hidden) / 1e3 / steps,
+        "idle_ms_per_step": idle / 1e3 / steps,  # no kernel at all (host, launch or sync gaps)
+        "window_ms": (window[1] - window[0]) / 1e3,
+        "nccl_kernels_per_step": len(comm) / steps,
+        # (start in ms from the first kernel, length in ms) of the longest exposed stretches
+        "longest_exposed": [(round((a - window[0]) / 1e3, 3), round((b - a) / 1e3, 3)) for a, b in longest],
     }
 
 

@@ -1,5 +1,6 @@
 """fsg.Policy: float32 parameters and optimizer, bfloat16 compute."""
 
+import pytest
 import torch
 
 import fsg
@@ -53,3 +54,33 @@ def test_param_policy_casts_the_state_at_init():
     assert state.params["0.weight"].dtype == torch.bfloat16
     state, metrics = step(state, regression_batch())
     assert state.params["0.weight"].dtype == torch.bfloat16 and torch.isfinite(metrics["loss"])
+
+
+@pytest.mark.parametrize(
+    "policy, match",
+    [
+        ("bf16", "precision must be an fsg.Policy, got str"),
+        (
+            fsg.Policy(compute=torch.int32),
+            r"fsg.Policy\(compute=...\) must be a floating-point torch.dtype, got torch.int32",
+        ),
+        (fsg.Policy(reduce="bf16"), r"fsg.Policy\(reduce=...\) must be a floating-point torch.dtype, got 'bf16'"),
+    ],
+)
+def test_a_bad_policy_is_refused_naming_the_field(policy, match):
+    model = mlp()
+    with pytest.raises(TypeError, match=match):
+        fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.sgd(0.1), precision=policy)
+
+
+def test_reduce_dtype_changes_nothing_on_one_device():
+    model = mlp()
+    batch = regression_batch(n=16)
+    results = []
+    for reduce in (None, torch.bfloat16):
+        step = fsg.compile_step(
+            mse_loss_fn(model), optimizer=fsg.optim.sgd(0.1), precision=fsg.Policy(reduce=reduce), backend="aot_eager"
+        )
+        state, _ = step(step.init(fsg.params(model)), batch)
+        results.append(state.params)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

@@ -60,6 +60,23 @@ def _hoist_views(node: fx.Node) -> None:
         node = view
 
 
+_CASTS = frozenset({_aten._to_copy.default, _aten.view.default, _aten.alias.default, _aten._unsafe_view.default})
+
+
+def _sink_casts(node: fx.Node) -> None:
+    """Moves the views and casts that read ``node`` (a collective's wait) down to right before
+    their first other user: stage 2 emits a gradient reduced in ``Policy.reduce``'s dtype
+    followed at once by its cast back, which would otherwise count as the result's first use
+    and close the bucket."""
+    for user in list(node.users):
+        if user.op != "call_function" or user.target not in _CASTS or len(user.all_input_nodes) != 1:
+            continue
+        _sink_casts(user)
+        if user.users:
+            order = {n: k for k, n in enumerate(node.graph.nodes)}
+            min(user.users, key=order.__getitem__).prepend(user)
+
+
 def _value(node: fx.Node) -> torch.Tensor | None:
     value = node.meta.get("val")
     return value if isinstance(value, torch.Tensor) else None
@@ -183,6 +200,8 @@ def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_B
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _COLLECTIVES:
             _hoist_views(node.args[0])
+            for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
+                _sink_casts(wait)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     items = _items(gm.graph, order)
     buckets = _buckets(items, int(bucket_mb * 2**20))

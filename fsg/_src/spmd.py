@@ -77,10 +77,13 @@ def _is_plain(value: Any) -> bool:
 class _Expander(fx.Interpreter):
     """Runs the global graph on DTensors, applying the sharding rules."""
 
-    def __init__(self, gm: fx.GraphModule, plan: ShardPlan, mark_grads: bool = False):
+    def __init__(
+        self, gm: fx.GraphModule, plan: ShardPlan, mark_grads: bool = False, reduce_dtype: torch.dtype | None = None
+    ):
         super().__init__(gm)
         self.plan = plan
         self.mark_grads = mark_grads
+        self.reduce_dtype = reduce_dtype
         self._node: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
@@ -110,7 +113,7 @@ class _Expander(fx.Interpreter):
         if target is markers.PARAM_USE:  # rule 3: gather over data axes where the loss reads it
             return _redistribute(args[0], mesh, self.plan.compute_placements(args[1]))
         if target is markers.GRAD:  # rule 2: the gradient takes its parameter's placement
-            grad = _redistribute(args[0], mesh, self.plan.param_placements(args[1]))
+            grad = self._reduce(args[0], self.plan.param_placements(args[1]))
             if self.mark_grads and isinstance(grad, DTensor):  # for the fusion pass
                 local = markers.grad(grad.to_local(), args[1])
                 grad = DTensor.from_local(
@@ -151,6 +154,13 @@ class _Expander(fx.Interpreter):
             )
             return result
 
+    def _reduce(self, grad: Any, placements: tuple[Placement, ...]) -> Any:
+        """Rule 2's redistribution, the sum in ``reduce_dtype`` (``Policy.reduce``) if set."""
+        partial = isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements)
+        if not partial or self.reduce_dtype is None or grad.dtype == self.reduce_dtype:
+            return _redistribute(grad, self.plan.mesh, placements)
+        return _redistribute(grad.to(self.reduce_dtype), self.plan.mesh, placements).to(grad.dtype)
+
     def _replicate_all(self, args_kwargs):
         leaves, _ = tree.flatten(args_kwargs)
         if not any(isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements) for a in leaves):
@@ -176,12 +186,14 @@ def expand(
     batch_shapes: list[tuple[int, ...]],
     local_inputs: list[torch.Tensor],
     mark_grads: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """Stage 2: the per-rank graph of ``traced`` under ``plan``.
 
     Its inputs are the rank's local pieces of the state then the batch leaves; its outputs
     those of the global graph, as local tensors (metrics replicated). ``mark_grads`` keeps an
-    ``fsg::grad`` marker on each rank's gradient (after its reduction) for the fusion pass.
+    ``fsg::grad`` marker on each rank's gradient (after its reduction) for the fusion pass;
+    ``reduce_dtype`` (``Policy.reduce``) is the dtype gradients are reduced in.
     """
     mesh = plan.mesh
     placements = [*plan.state_placements, *plan.batch_placements]
@@ -196,7 +208,7 @@ def expand(
             )
             for t, pl, s in zip(locals_, placements, shapes)
         ]
-        outputs = _Expander(traced.graph_module, plan, mark_grads).run(*dtensors)
+        outputs = _Expander(traced.graph_module, plan, mark_grads, reduce_dtype).run(*dtensors)
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         n_new_state = len(outputs) - n_metrics

@@ -31,7 +31,7 @@ from fsg._src.errors import (
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
-from fsg._src.precision import Policy
+from fsg._src.precision import Policy, check_policy
 from fsg._src.sharding import Rules
 from fsg._src.signature import Signature, describe_change, structure_error
 from fsg._src.stages import Lowered
@@ -75,7 +75,7 @@ class Step:
         self._bucket_mb = bucket_mb
         self._cuda_graph = cuda_graph
         self._fused_optimizer = fused_optimizer
-        self._precision = precision or Policy()
+        self._precision = check_policy(precision or Policy())
         self._accum_steps = accum_steps
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
@@ -169,6 +169,8 @@ class Step:
                 built = build(state, batch, self._optimizer, False)
         if self._mesh is not None and self._bucket_mb:  # stage 3: bucket gradient collectives
             overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
+            if fuse:  # update each bucket's params as soon as its reduction lands
+                fusion.update_on_arrival(built.graph)
         return built
 
     def _build_local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
@@ -229,6 +231,7 @@ class Step:
                 [tuple(t.shape) for t in batch_leaves],
                 local_inputs,
                 mark_grads=mark_grads,
+                reduce_dtype=self._precision.reduce,
             )
         except ShardingRuleError as exc:
             where = purity.locate(self._loss_fn, state.params, batch, state.buffers, exc.op)

@@ -352,3 +352,53 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
     }
 
 
+
+
+def fused_update_order(bucket_mb: float) -> dict:
+    """The tiny GPT on ``Mesh({"dp": 2})`` with the fused AdamW and small buckets: against the
+    unsharded step, and the order of the gradient waits and the updates in the graph's tail."""
+    model = tiny_gpt()
+    mesh = fsg.testing.mesh({"dp": 2})
+    options = dict(optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), fused_optimizer=True, bucket_mb=bucket_mb)
+    fsg.testing.assert_sharded_matches_unsharded(
+        gpt_loss(model), fsg.params(model), gpt_batches(), mesh, rtol=1e-4, atol=1e-5, **options
+    )
+    step = fsg.compile_step(gpt_loss(model), mesh, backend="aot_eager", **options)
+    nodes = list(step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).graph_module.graph.nodes)
+    waits = {}
+    for update in (n for n in nodes if "fused_adamw" in str(n.target)):
+        for grad in update.args[1]:  # up through the bucket's split and views to its wait
+            while "wait_tensor" not in str(grad.target):
+                grad = grad.args[0]
+            waits[grad] = "wait"
+    tail = [waits.get(n) or "update" for n in nodes if n in waits or "fused_adamw" in str(n.target)]
+    waited = [n.args[0] for n in nodes if n in waits]
+    return {
+        "updates": tail.count("update"),
+        "sequence": tail,
+        "issue_order_matches": waited == sorted(waited, key=nodes.index),
+    }
+
+
+def reduce_dtype_bytes(preset: str, reduce: str | None) -> dict:
+    """An MLP on ``Mesh({"dp": 2})`` with ``Policy(reduce=...)``: the bytes of its gradient
+    reductions, the dtypes the fused AdamW reads its gradients in, and 3 steps against the
+    unsharded step (float32 throughout)."""
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    mesh = fsg.testing.mesh({"dp": 2})
+    rules = preset_rules(preset)
+    policy = fsg.Policy(reduce=getattr(torch, reduce) if reduce else None)
+    options = dict(optimizer=fsg.optim.adamw(1e-2), fused_optimizer=True, precision=policy, param_sharding=rules)
+    batches = [regression_batch(n=16, seed=i) for i in range(3)]
+    tolerance = dict(rtol=1e-4, atol=1e-5) if reduce is None else dict(rtol=2e-2, atol=2e-3)
+    fsg.testing.assert_sharded_matches_unsharded(
+        mse_loss_fn(model), fsg.params(model), batches, mesh, batch_sharding=fsg.P("dp"), **tolerance, **options
+    )
+    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="aot_eager", **options)
+    lowered = step.lower(step.init(fsg.params(model)), batches[0])
+    kind = "reduce_scatter_tensor" if preset == "fsdp" else "all_reduce"
+    update = next(n for n in lowered.graph_module.graph.nodes if "fused_adamw" in str(n.target))
+    return {
+        "bytes": sum(r.bytes for r in lowered.collectives() if r.kind == kind),
+        "grad_dtypes": sorted({str(g.meta["val"].dtype) for g in update.args[1]}),
+    }

@@ -112,7 +112,7 @@ class _Tables:
 
 
 _TABLES: dict[tuple, _Tables] = {}
-_MAX_CACHED = 8
+_MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
 
 
 def _key(params, grads, mus, nus, wds, block) -> tuple:
