@@ -182,6 +182,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for i in range(args.steps):
         loss = run(i)
+    host_ms = (time.perf_counter() - t0) * 1e3 / args.steps  # the host's time to issue a step
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     trace = args.trace if rank == 0 else None
@@ -205,6 +206,7 @@ def main() -> None:
             / (ms / 1e3)
             / (PEAK_TFLOPS * 1e12 * world),
             "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+            "host_ms_per_step": host_ms,
             "compile_s": compile_s,
             "overlap": overlap,
             "first_loss": first,
@@ -212,7 +214,24 @@ def main() -> None:
             "torch": torch.__version__,
         }
         print("RESULT " + json.dumps(out), flush=True)
+    _shutdown()
+
+
+def _shutdown(grace_s: float = 30.0) -> None:
+    """Destroys the process group; exits anyway if that hangs (torch's NCCL teardown can hang
+    after CUDA graphs captured NCCL kernels: pytorch/pytorch#115388)."""
+    import os
+    import threading
+
+    def give_up():
+        print(f"dp.py: process group teardown still hanging after {grace_s:.0f} s; exiting", flush=True)
+        os._exit(0)
+
+    timer = threading.Timer(grace_s, give_up)
+    timer.daemon = True
+    timer.start()
     fsg.distributed.shutdown()
+    timer.cancel()
 
 
 def check_equivalence(args, model, axes: dict, data: list, dev) -> None:
@@ -278,7 +297,12 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
     everything = _union(comm + compute)
     window = (everything[0][0], everything[-1][1]) if everything else (0.0, 0.0)
     idle = (window[1] - window[0]) - sum(b - a for a, b in everything)
-    longest = sorted(exposed, key=lambda ab: ab[0] - ab[1])[:6]
+    gaps = [(b, c) for (_, b), (c, _) in zip(everything, everything[1:])]
+
+    def longest(stretches):  # (start in ms from the first kernel, length in ms), longest first
+        top = sorted(stretches, key=lambda ab: ab[0] - ab[1])[:6]
+        return [(round((a - window[0]) / 1e3, 3), round((b - a) / 1e3, 3)) for a, b in top]
+
     return {
         "comm_ms_per_step": comm_us / 1e3 / steps,
         "hidden_fraction": hidden / comm_us if comm_us else None,
@@ -287,8 +311,9 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
         "idle_ms_per_step": idle / 1e3 / steps,  # no kernel at all (host, launch or sync gaps)
         "window_ms": (window[1] - window[0]) / 1e3,
         "nccl_kernels_per_step": len(comm) / steps,
-        # (start in ms from the first kernel, length in ms) of the longest exposed stretches
-        "longest_exposed": [(round((a - window[0]) / 1e3, 3), round((b - a) / 1e3, 3)) for a, b in longest],
+        "longest_exposed": longest(exposed),
+        "longest_idle": longest(gaps),
+        "idle_gaps_over_50us": sum(1 for a, b in gaps if b - a > 50),
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -26,6 +27,22 @@ from fsg._src.errors import CudaGraphWarning
 from fsg._src.kernels._common import capture_warmup
 
 log = logging.getLogger("fsg")
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every GraphedStep, for release_all
+
+
+def release_all() -> int:
+    """Drops every captured step graph (after the device finishes its work); returns how many.
+    ``fsg.distributed.shutdown`` calls it first: tearing NCCL down while graphs that captured
+    its kernels are alive can hang (pytorch/pytorch#115388). A released step captures again
+    on its next call."""
+    graphed = [g for g in _LIVE if g._graph is not None]
+    if graphed:
+        torch.cuda.synchronize()
+    for g in graphed:
+        g._graph, g._key, g._outputs, g._batch, g._calls = None, (), (), [], 1
+    return len(graphed)
 
 
 def can_graph(inputs: list[torch.Tensor]) -> bool:
@@ -46,6 +63,7 @@ class GraphedStep:
         self._key: tuple = ()
         self._batch: list[torch.Tensor] = []
         self._outputs: tuple = ()
+        _LIVE.add(self)
 
     @property
     def captured(self) -> bool:

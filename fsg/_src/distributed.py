@@ -54,6 +54,14 @@ def initialize(*, backend: str | None = None) -> ProcessInfo:
 
 
 def shutdown() -> None:
-    """Destroys the default process group, if any (registered at exit by ``initialize``)."""
+    """Destroys the default process group, if any (registered at exit by ``initialize``).
+
+    Steps replayed as CUDA graphs (``cuda_graph=True`` on a mesh) drop their graphs first:
+    NCCL's teardown can hang while graphs that captured its kernels are alive
+    (pytorch/pytorch#115388). Such a step captures again if called after a new ``initialize``.
+    """
     if dist.is_available() and dist.is_initialized():
+        from fsg._src import cudagraph
+
+        cudagraph.release_all()
         dist.destroy_process_group()
