@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,8 +92,16 @@ def main() -> None:
         "--no-update-on-arrival", action="store_true",
         help="fsg: one fused AdamW after every reduction (A/B of the per-bucket update pass)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sm-carveout", type=int, default=0,
+        help="keep this many SMs free of cuBLASLt matmuls (torch._C._set_sm_carveout_experimental, with "
+        "cuBLASLt preferred) so that matmuls overlapping NCCL kernels do not run a second wave",
+    )  # fmt: skip
     args = parser.parse_args()
     reduce_dtype = getattr(torch, args.reduce)
+    if args.sm_carveout:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     if args.no_update_on_arrival:
         from fsg._src import fusion
 
@@ -186,7 +195,7 @@ def main() -> None:
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     trace = args.trace if rank == 0 else None
-    overlap = overlapped_communication(run, args.profile, trace) if args.profile and dev.type == "cuda" else None
+    overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and dev.type == "cuda" else None
     if rank == 0:
         out = {
             "impl": args.impl,
@@ -196,6 +205,8 @@ def main() -> None:
             "sharding": args.sharding if args.impl.startswith("fsg") else args.impl,
             "reduce": args.reduce,
             "update_on_arrival": not args.no_update_on_arrival,
+            "sm_carveout": args.sm_carveout,
+            "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
             "model": args.model,
             "ms": ms,
             "tokens_per_s": args.batch * dp * args.seq / ms * 1e3,
@@ -261,16 +272,18 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
+def overlapped_communication(run, steps: int, step_ms: float, trace: str | None = None) -> dict:
     """Profiles ``steps`` steps (CUDA kernels only) and returns how much of the NCCL kernels'
     time ran while a compute kernel was running too: the fraction of communication hidden
     behind compute, as a trace viewer would show it."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
+    # two unrecorded steps first: the profiler's start skews the ranks' first step
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=steps)) as prof:
+        for i in range(steps + 2):
             run(i)
+            prof.step()
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
@@ -280,6 +293,10 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
             continue
         span = (e.time_range.start, e.time_range.end)
         (comm if "nccl" in e.name.lower() else compute).append(span)
+    everything = _union(comm + compute)
+    window = (everything[0][0], everything[-1][1]) if everything else (0.0, 0.0)
+    # the steps the recorded kernels span (the schedule's warm-up step can be among them)
+    steps = max(1, round((window[1] - window[0]) / 1e3 / step_ms))
     busy = _union(compute)
     comm_us = sum(b - a for a, b in _union(comm))
     hidden = 0.0
@@ -294,8 +311,6 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
             cursor = max(cursor, y)
         if b > cursor:
             exposed.append((cursor, b))
-    everything = _union(comm + compute)
-    window = (everything[0][0], everything[-1][1]) if everything else (0.0, 0.0)
     idle = (window[1] - window[0]) - sum(b - a for a, b in everything)
     gaps = [(b, c) for (_, b), (c, _) in zip(everything, everything[1:])]
 
@@ -310,6 +325,7 @@ def overlapped_communication(run, steps: int, trace: str | None = None) -> dict:
         "exposed_ms_per_step": (comm_us - hidden) / 1e3 / steps,
         "idle_ms_per_step": idle / 1e3 / steps,  # no kernel at all (host, launch or sync gaps)
         "window_ms": (window[1] - window[0]) / 1e3,
+        "steps_recorded": steps,
         "nccl_kernels_per_step": len(comm) / steps,
         "longest_exposed": longest(exposed),
         "longest_idle": longest(gaps),

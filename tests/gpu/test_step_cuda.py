@@ -88,3 +88,26 @@ def test_cuda_graph_replay_matches_plain_step_and_recaptures_for_a_new_state():
         fresh, gm = graphed(fresh, batch)
         pfresh, pm = plain(pfresh, batch)
         assert rel_err(gm["loss"], pm["loss"]) < 1e-5
+
+
+def test_release_all_drops_captured_graphs_and_the_step_captures_again():
+    """``fsg.distributed.shutdown`` releases captured graphs before NCCL teardown
+    (pytorch/pytorch#115388); a released step keeps working and captures anew."""
+    from fsg._src import cudagraph
+
+    graphed, gstate = _two_steps()
+    plain, pstate = _two_steps(cuda_graph=False)
+    for i in range(3):
+        batch = to_cuda(regression_batch(seed=i))
+        gstate, _ = graphed(gstate, batch)
+        pstate, _ = plain(pstate, batch)
+    compiled = next(iter(graphed._cache.values())).fn
+    assert compiled.captured
+    assert cudagraph.release_all() >= 1
+    assert not compiled.captured
+    for i in range(3, 6):
+        batch = to_cuda(regression_batch(seed=i))
+        gstate, gm = graphed(gstate, batch)
+        pstate, pm = plain(pstate, batch)
+        assert rel_err(gm["loss"], pm["loss"]) < 1e-5
+    assert compiled.captured
