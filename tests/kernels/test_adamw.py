@@ -54,6 +54,25 @@ def test_per_tensor_kernel_matches_multi_tensor():
         assert torch.equal(a, b)
 
 
+def test_new_gradient_tensors_each_call_reuse_the_state_tables_and_stay_correct():
+    """A step passes the same state storages every call but new gradient tensors (on a mesh,
+    views of each bucket's reduced buffer): the cached tables must follow the gradients, and
+    bf16 gradients (``Policy(reduce=torch.bfloat16)``) are read as they are."""
+    params, _, mus, nus = _tensors([5, 300, 64], seed=5)
+    ref = [[t.clone() for t in group] for group in (params, mus, nus)]
+    K._TABLES.clear()
+    for call in range(3):
+        grads = [torch.randn(p.numel(), generator=torch.Generator().manual_seed(call)) for p in params]
+        grads = [g.to(torch.bfloat16) for g in grads] if call == 2 else grads
+        c, lr = torch.tensor(call + 1), torch.tensor(1e-2)
+        # the traced math reads the bf16 gradient cast back to float32 (exact), as the kernel does
+        K.adamw_reference(ref[0], [g.float() for g in grads], ref[1], ref[2], c, lr, 0.9, 0.95, 1e-8, [0.1] * 3)
+        K.launch(params, grads, mus, nus, c, lr, 0.9, 0.95, 1e-8, [0.1] * 3, block=64)
+    assert len(K._TABLES) == 1  # one set of state tables; the gradient table follows the gradients
+    for got, want in zip((*params, *mus, *nus), (*ref[0], *ref[1], *ref[2])):
+        assert rel(got, want) < 1e-6
+
+
 def test_every_element_is_written():
     """The update is in place, so poisoning outputs is not possible: with lr=1 every element
     of every param and moment must move, which a skipped block or a wrong offset would not."""

@@ -92,23 +92,37 @@ def _adamw_tensor_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def _upload(values, dtype, device) -> torch.Tensor:
+    """A host list as a device tensor, copied from pinned memory without a host sync (the
+    caching host allocator keeps the pinned buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class _Tables:
-    """The device tables of one multi-tensor launch, cached by the tensors' addresses (a
-    compiled step passes the same state storages every call)."""
+    """The device tables of one multi-tensor launch, cached by the state tensors' addresses (a
+    compiled step passes the same state storages every call). Gradients are new tensors each
+    call, often at the same addresses: their table is uploaded again only when one moved."""
 
     def __init__(self, params, grads, mus, nus, wds, block):
         device = params[0].device
         blocks = [triton.cdiv(p.numel(), block) for p in params]
         self.num_blocks = sum(blocks)
+        self.addrs = [_upload([t.data_ptr() for t in group], torch.int64, device) for group in (params, mus, nus)]
+        self.numels = _upload([p.numel() for p in params], torch.int64, device)
+        self.wds = _upload(wds, torch.float32, device)
+        self.block_tensor = _upload([i for i, n in enumerate(blocks) for _ in range(n)], torch.int32, device)
+        self.block_offset = _upload([j * block for n in blocks for j in range(n)], torch.int64, device)
+        self.grad_ptrs: list[int] = []
+        self.grad_addrs: torch.Tensor | None = None
 
-        def upload(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
-
-        self.addrs = [upload([t.data_ptr() for t in group], torch.int64) for group in (params, grads, mus, nus)]
-        self.numels = upload([p.numel() for p in params], torch.int64)
-        self.wds = upload(wds, torch.float32)
-        self.block_tensor = upload([i for i, n in enumerate(blocks) for _ in range(n)], torch.int32)
-        self.block_offset = upload([j * block for n in blocks for j in range(n)], torch.int64)
+    def grads(self, grads) -> torch.Tensor:
+        ptrs = [g.data_ptr() for g in grads]
+        if ptrs != self.grad_ptrs:
+            self.grad_ptrs, self.grad_addrs = ptrs, _upload(ptrs, torch.int64, grads[0].device)
+        return self.grad_addrs
 
 
 _TABLES: dict[tuple, _Tables] = {}
@@ -116,7 +130,8 @@ _MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
 
 
 def _key(params, grads, mus, nus, wds, block) -> tuple:
-    return (block, tuple(wds), *((t.data_ptr(), t.numel()) for t in (*params, *grads, *mus, *nus)))
+    shapes = tuple(g.numel() for g in grads)
+    return (block, tuple(wds), shapes, *((t.data_ptr(), t.numel()) for t in (*params, *mus, *nus)))
 
 
 def bias_corrections(count: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
@@ -150,8 +165,12 @@ def launch(
         if len(_TABLES) >= _MAX_CACHED:
             _TABLES.clear()
         tables = _TABLES[key] = _Tables(params, grads, mus, nus, wds, block)
+    p_addrs, m_addrs, v_addrs = tables.addrs
     _adamw_multi_tensor_kernel[(tables.num_blocks,)](
-        *tables.addrs,
+        p_addrs,
+        tables.grads(grads),
+        m_addrs,
+        v_addrs,
         tables.numels,
         tables.wds,
         tables.block_tensor,
