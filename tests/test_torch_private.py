@@ -64,6 +64,13 @@ def test_functional_collectives_have_the_signatures_the_overlap_pass_uses():
     assert not _torch_private.is_collective(torch.ops.aten.mm.default) and not _torch_private.is_collective("output")
 
 
+def test_is_pure_op_reads_the_schema():
+    assert _torch_private.is_pure_op(torch.ops.aten.mul.Tensor)
+    assert not _torch_private.is_pure_op(torch.ops.aten.copy_.default)
+    assert not _torch_private.is_pure_op(torch.ops.fsg.fused_adamw_.default)
+    assert not _torch_private.is_pure_op("output")
+
+
 def test_inductor_compile_runs_an_aten_graph_with_input_mutation():
     def fn(w, x):
         w.copy_(w - 0.5 * x)

@@ -28,6 +28,7 @@ __all__ = [
     "fake_mode",
     "inductor_compile",
     "is_collective",
+    "is_pure_op",
     "register_sharding",
     "trace_fake",
 ]
@@ -60,6 +61,11 @@ register_sharding = register_sharding
 def is_collective(target: Any) -> bool:
     """Whether an FX node target is one of the functional collectives (or their waits)."""
     return isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
+
+
+def is_pure_op(target: Any) -> bool:
+    """Whether an FX node target is an aten-style op whose schema mutates none of its inputs."""
+    return isinstance(target, OpOverload) and not target._schema.is_mutable
 
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False) -> torch.fx.GraphModule:

@@ -239,9 +239,7 @@ def _sink_readers(graph: fx.Graph, node: fx.Node, chains: list[fx.Node], mutated
             frontier.append(user)
     for reader in readers:
         target = reader.target
-        pure = reader.op == "call_function" and (
-            target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable)
-        )
+        pure = reader.op == "call_function" and (target is operator.getitem or _torch_private.is_pure_op(target))
         args = [a for a in tree.flatten((reader.args, reader.kwargs))[0] if isinstance(a, fx.Node)]
         if not pure or any(_through_views(a) in mutated for a in args):
             return False
