@@ -7,16 +7,19 @@
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsdp2 --model 1.3b
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --check
+    torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsdp2 --mesh dp=2,tp=2 --model 355m
 
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
 --batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
 ``fsg.Mesh(--mesh)`` (default ``dp=<world>``) with the ``--sharding`` preset; the batch is
 sharded over ``dp``. ddp: ``DDP(torch.compile(model))`` with autocast and
 ``AdamW(fused=True)``. --reduce bfloat16 reduces gradients in bf16 (fsg's
-``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2: ``fully_shard`` of each block and of the model over the GPUs
-(``MixedPrecisionPolicy``: bf16 compute, float32 gradient reduction), each block
-``torch.compile``d, ``AdamW(foreach=True)`` (torchtitan's recipe without tensor parallelism:
-the example GPT's fused qkv projection needs a head-aware plan first). With one process:
+``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2:
+torchtitan's recipe (``benchmarks/tp_baseline.py``): with a ``tp`` axis in --mesh, Megatron
+tensor parallelism of each block (the fused qkv split by heads), each block
+``torch.compile``d, then ``fully_shard`` of each block and of the model over ``dp``
+(``MixedPrecisionPolicy``: bf16 compute, --reduce gradient reduction), ``AdamW(foreach=True)``;
+``--impl fsdp2 --mesh dp=2,tp=2 --check`` checks its tensor-parallel plan. With one process:
 the one-GPU baselines. Rank 0 prints one JSON line: mean step time over --steps after
 --warmup steps, global tokens/s, MFU, per-GPU peak memory, the first call's wall time and,
 from a CUDA profile, the fraction of communication that ran beside compute.
@@ -40,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsg  # noqa: E402
 import fsg.sharding  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tp_baseline  # noqa: E402
 
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
@@ -116,11 +122,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
     n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
-    axes = _mesh_axes(args.mesh, world) if args.impl.startswith("fsg") else {"dp": world}
+    axes = _mesh_axes(args.mesh, world) if args.impl.startswith("fsg") or args.impl == "fsdp2" else {"dp": world}
     dp = axes.get("dp", 1)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 50304, (args.batch * dp, args.seq + 1), generator=g) for _ in range(4)]
 
+    if args.check and args.impl == "fsdp2":
+        return check_baseline(model, axes, data, dev)
     if args.check:
         return check_equivalence(args, model, axes, data, dev)
     if args.impl.startswith("fsg"):
@@ -148,13 +156,13 @@ def main() -> None:
     else:
         cuda = dev.type == "cuda"
         if args.impl == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            if world == 1:
+                raise SystemExit("--impl fsdp2 needs several processes; the one-GPU baseline is --impl ddp")
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-            for i, block in enumerate(model.blocks):
-                model.blocks[i] = torch.compile(block)
-                fully_shard(model.blocks[i], mp_policy=policy)
-            ddp = fully_shard(model, mp_policy=policy)
+            ddp = tp_baseline.fsdp2_tp(model, _device_mesh(axes, dev), policy)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=True)
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -166,7 +174,8 @@ def main() -> None:
 
                 ddp.register_comm_hook(None, bf16_compress_hook)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
-        rows = slice(rank * args.batch, (rank + 1) * args.batch)
+        dp_rank = rank // (world // dp)  # torch's meshes are row-major: the tp ranks of a dp group share rows
+        rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
 
         def run(i):
@@ -243,6 +252,25 @@ def _shutdown(grace_s: float = 30.0) -> None:
     timer.start()
     fsg.distributed.shutdown()
     timer.cancel()
+
+
+def _device_mesh(axes: dict[str, int], dev):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(dev.type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def check_baseline(model, axes: dict, data: list, dev) -> None:
+    """The FSDP2+TP baseline's tensor-parallel model against the unsharded one (raises on a
+    mismatch): its head-aware split of the fused qkv projection is right."""
+    mesh = _device_mesh(axes, dev)
+    if "tp" not in mesh.mesh_dim_names:
+        raise SystemExit("--impl fsdp2 --check checks the tensor-parallel plan: give --mesh with a tp axis")
+    err = tp_baseline.check(model, mesh, data[0][:2, :-1].to(dev))
+    if dist.get_rank() == 0:
+        print(f"CHECK ok: the FSDP2+TP baseline's tensor-parallel GPT on {axes} equals the unsharded one "
+              f"(max relative difference {err:.1e})", flush=True)  # fmt: skip
+    _shutdown()
 
 
 def check_equivalence(args, model, axes: dict, data: list, dev) -> None:
