@@ -182,6 +182,12 @@ def test_each_buckets_params_are_updated_as_soon_as_its_reduction_lands(ranks):
     assert out["issue_order_matches"]
 
 
+@pytest.mark.parametrize("preset, accum_steps", [("fsdp", 1), ("dp", 2)])
+def test_updates_on_arrival_with_fsdp_shards_and_accumulation(ranks, preset, accum_steps):
+    out = ranks(2).run(workers.fused_update_order, 0.004, preset, accum_steps)[0]
+    assert out["updates"] >= 3 and out["issue_order_matches"]
+
+
 @pytest.mark.parametrize(
     "world, axes, preset",
     [(2, {"dp": 2}, "dp"), (2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")],

@@ -354,12 +354,15 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
 
 
 
-def fused_update_order(bucket_mb: float) -> dict:
+def fused_update_order(bucket_mb: float, preset: str = "dp", accum_steps: int = 1) -> dict:
     """The tiny GPT on ``Mesh({"dp": 2})`` with the fused AdamW and small buckets: against the
     unsharded step, and the order of the gradient waits and the updates in the graph's tail."""
     model = tiny_gpt()
     mesh = fsg.testing.mesh({"dp": 2})
-    options = dict(optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), fused_optimizer=True, bucket_mb=bucket_mb)
+    options = dict(
+        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), fused_optimizer=True, bucket_mb=bucket_mb,
+        param_sharding=preset_rules(preset), accum_steps=accum_steps,
+    )  # fmt: skip
     fsg.testing.assert_sharded_matches_unsharded(
         gpt_loss(model), fsg.params(model), gpt_batches(), mesh, rtol=1e-4, atol=1e-5, **options
     )
