@@ -40,16 +40,19 @@ _VIEWS = frozenset(
 
 
 def _hoist_views(node: fx.Node) -> None:
-    """Moves the chain of view ops that ends in ``node`` right after the op that produced its
-    data: stage 2 emits those views where the gradient is marked, after the whole backward,
-    which would pin the collective there too."""
+    """Moves the chain of view ops and dtype casts that ends in ``node`` right after the op
+    that produced its data: stage 2 emits those views where the gradient is marked, after the
+    whole backward, which would pin the collective there too. The casts are mixed precision's:
+    a float32 parameter is cast to bf16 before the forward, so autograd runs the backward of
+    that cast (the bf16 gradient cast to float32) after the whole backward; left there, it
+    made every bucket wait for the end of the backward."""
     chain = []
     while (
         node.op == "call_function"
-        and node.target in _VIEWS
+        and (node.target in _VIEWS or node.target is _aten._to_copy.default)
         and isinstance(node.args[0], fx.Node)
         and not any(isinstance(a, fx.Node) for a in node.args[1:])
-        and not node.kwargs
+        and not any(isinstance(a, fx.Node) for a in node.kwargs.values())
     ):
         chain.append(node)
         node = node.args[0]

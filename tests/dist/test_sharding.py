@@ -150,6 +150,15 @@ def test_bucketing_packs_gradient_all_reduces_and_issues_them_during_the_backwar
     assert small["first_grad_all_reduce"] < small["last_matmul"]
 
 
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_with_bf16_compute_buckets_are_still_issued_during_the_backward(ranks, preset):
+    """A float32 param is cast to bf16 before the forward, so autograd casts its gradient back
+    only after the whole backward; the pass hoists that cast to the gradient's matmul (before,
+    every bucket waited for the end of the backward)."""
+    small = ranks(2).run(workers.bucketed_data_parallel, 0.02, preset, "bfloat16")[0]
+    assert small["first_grad_all_reduce"] < small["last_matmul"]
+
+
 def test_fsdp_reduce_scatters_are_packed_and_issued_during_the_backward(ranks):
     one_bucket = ranks(2).run(workers.bucketed_data_parallel, 25.0, "fsdp")[0]
     rows = {kind: (nbytes, count) for kind, axis, nbytes, count in one_bucket["table"]}

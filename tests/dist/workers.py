@@ -320,7 +320,7 @@ def check_accumulation(axes: dict, preset: str) -> list[str]:
     return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
 
 
-def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
+def bucketed_data_parallel(bucket_mb: float, preset: str = "dp", compute: str = "float32") -> dict:
     """A 4-layer MLP under data parallelism (or FSDP) with ``bucket_mb``: the collectives
     table, where the first gradient collective sits in the local graph, and 3 steps against
     unsharded."""
@@ -329,9 +329,11 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
     model = nn.Sequential(*layers)
     mesh = fsg.testing.mesh({"dp": 2})
     rules = fsg.sharding.fsdp("dp") if preset == "fsdp" else None
+    policy = fsg.Policy(compute=getattr(torch, compute))
+    tolerance = dict(rtol=1e-4, atol=1e-5) if compute == "float32" else dict(rtol=2e-2, atol=2e-3)
     step = fsg.compile_step(
         mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", bucket_mb=bucket_mb,
-        param_sharding=rules,
+        param_sharding=rules, precision=policy,
     )  # fmt: skip
     batch = {"x": torch.randn(16, 16), "y": torch.randn(16, 4)}
     state = step.init(fsg.params(model))
@@ -342,7 +344,7 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp") -> dict:
     matmuls = [i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
     fsg.testing.assert_sharded_matches_unsharded(
         mse_loss_fn(model), fsg.params(model), [batch] * 3, mesh, optimizer=fsg.optim.sgd(0.1, momentum=0.9),
-        param_sharding=rules, batch_sharding=fsg.P("dp"), rtol=1e-4, atol=1e-5, bucket_mb=bucket_mb,
+        param_sharding=rules, batch_sharding=fsg.P("dp"), bucket_mb=bucket_mb, precision=policy, **tolerance,
     )  # fmt: skip
     return {
         "table": [tuple(c) for c in lowered.collectives()],
