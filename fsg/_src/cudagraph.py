@@ -37,11 +37,11 @@ def release_all() -> int:
     ``fsg.distributed.shutdown`` calls it first: tearing NCCL down while graphs that captured
     its kernels are alive can hang (pytorch/pytorch#115388). A released step captures again
     on its next call."""
-    graphed = [g for g in _LIVE if g._graph is not None]
+    graphed = [g for g in _LIVE if g.captured]
     if graphed:
         torch.cuda.synchronize()
     for g in graphed:
-        g._graph, g._key, g._outputs, g._batch, g._calls = None, (), (), [], 1
+        g.release()
     return len(graphed)
 
 
@@ -68,6 +68,10 @@ class GraphedStep:
     @property
     def captured(self) -> bool:
         return self._graph is not None
+
+    def release(self) -> None:
+        """Drops the captured graph and its buffers; the next call captures again."""
+        self._graph, self._key, self._outputs, self._batch, self._calls = None, (), (), [], 1
 
     def _key_of(self, inputs) -> tuple:
         state = inputs[: self._num_state]

@@ -37,6 +37,8 @@ _VIEWS = frozenset(
     {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
      _aten.transpose.int, _aten.squeeze.dim, _aten.unsqueeze.default, _aten.alias.default, _aten.detach.default}
 )  # fmt: skip
+# views, plus the dtype cast: the pure single-input ops moved with a collective's input or result
+_MOVABLE = _VIEWS | {_aten._to_copy.default}
 
 
 def _hoist_views(node: fx.Node) -> None:
@@ -49,7 +51,7 @@ def _hoist_views(node: fx.Node) -> None:
     chain = []
     while (
         node.op == "call_function"
-        and (node.target in _VIEWS or node.target is _aten._to_copy.default)
+        and node.target in _MOVABLE
         and isinstance(node.args[0], fx.Node)
         and not any(isinstance(a, fx.Node) for a in node.args[1:])
         and not any(isinstance(a, fx.Node) for a in node.kwargs.values())
@@ -63,16 +65,13 @@ def _hoist_views(node: fx.Node) -> None:
         node = view
 
 
-_CASTS = frozenset({_aten._to_copy.default, _aten.view.default, _aten.alias.default, _aten._unsafe_view.default})
-
-
 def _sink_casts(node: fx.Node) -> None:
     """Moves the views and casts that read ``node`` (a collective's wait) down to right before
     their first other user: stage 2 emits a gradient reduced in ``Policy.reduce``'s dtype
     followed at once by its cast back, which would otherwise count as the result's first use
     and close the bucket."""
     for user in list(node.users):
-        if user.op != "call_function" or user.target not in _CASTS or len(user.all_input_nodes) != 1:
+        if user.op != "call_function" or user.target not in _MOVABLE or len(user.all_input_nodes) != 1:
             continue
         _sink_casts(user)
         if user.users:

@@ -2,33 +2,29 @@
 
 ``Step.__call__`` is the hot path: it flattens state and batch with optree (C++), checks the
 batch's abstract signature, and replays the compiled graph. The state's signature is only
-recomputed when its leaves are not the very tensors the previous call returned.
+recomputed when its leaves are not the very tensors the previous call returned. Stages 1-3
+(trace, shard, graph passes) are in build.py; this module compiles their graph (stage 4) and
+caches it per signature.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import operator
-import re
-import time
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, cudagraph, fusion, markers, overlap, placement, purity, spmd, tree
 from fsg._src import backend as backend_lib
+from fsg._src import cudagraph, overlap, placement, tree
 from fsg._src import trace as trace_lib
+from fsg._src.build import Builder, Built
 from fsg._src.errors import (
     RecompileError,
     RecompileWarning,
-    ShardingRuleError,
     UnsupportedError,
 )
-from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.precision import Policy, check_policy
@@ -38,14 +34,6 @@ from fsg._src.stages import Lowered
 from fsg._src.train_state import TrainState
 
 LossFn = trace_lib.LossFn
-log = logging.getLogger("fsg")
-
-
-class _Compiled(NamedTuple):
-    traced: trace_lib.TracedStep  # stage 1: the global graph
-    graph: Any  # the graph that was compiled: stage 1's, or stage 2's local graph on a mesh
-    fn: Any  # stage 4: the compiled callable
-    plan: spmd.ShardPlan | None
 
 
 class Step:
@@ -72,22 +60,28 @@ class Step:
         bucket_mb: float | None = overlap.DEFAULT_BUCKET_MB,
     ):
         backend_lib.check_backend(backend)
-        self._bucket_mb = bucket_mb
         self._cuda_graph = cuda_graph
-        self._fused_optimizer = fused_optimizer
         self._precision = check_policy(precision or Policy())
-        self._accum_steps = accum_steps
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
         if batch_sharding is None:
             batch_sharding = P("dp") if mesh is not None and "dp" in mesh.axis_names else P()
-        self._batch_sharding = batch_sharding
-        self._loss_fn = loss_fn
         self._optimizer = optimizer
+        self._builder = Builder(
+            loss_fn,
+            optimizer,
+            donate=donate,
+            precision=self._precision,
+            accum_steps=accum_steps,
+            mesh=self._mesh,
+            batch_sharding=batch_sharding,
+            fused_optimizer=fused_optimizer,
+            bucket_mb=bucket_mb,
+        )
         self._backend = backend
         self._donate = donate
         self._strict = strict
-        self._cache: dict[Signature, _Compiled] = {}
+        self._cache: dict[Signature, Built] = {}
         self._structure: tuple[optree.PyTreeSpec, optree.PyTreeSpec] | None = None
         self._last_signature: Signature | None = None
         self._last_state_leaves: list[torch.Tensor] = []
@@ -151,107 +145,6 @@ class Step:
         signature = Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
         return signature, state_leaves, batch_leaves
 
-    def _build(self, state: Any, batch: Any) -> _Compiled:
-        """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes) for this state and
-        batch. When the fused AdamW kernel will replace the optimizer update, stage 1 traces
-        a stand-in for the update's math (``fusion.stand_in``); should the fusion pass then
-        refuse the graph, everything is traced again with the real math."""
-        build = self._build_local if self._mesh is None else self._build_mesh
-        fuse = self._fuse_optimizer(state)
-        built = build(state, batch, fusion.stand_in(self._optimizer) if fuse else self._optimizer, fuse)
-        if fuse:
-            try:
-                fusion.fuse_adamw(built.graph, state, self._optimizer)
-                markers.strip(built.graph)
-            except UnsupportedError:
-                if self._fused_optimizer:  # asked for; by default the traced math runs
-                    raise
-                built = build(state, batch, self._optimizer, False)
-        if self._mesh is not None and self._bucket_mb:  # stage 3: bucket gradient collectives
-            overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
-            if fuse:  # update each bucket's params as soon as its reduction lands
-                fusion.update_on_arrival(built.graph)
-        return built
-
-    def _build_local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
-        """Stage 1 on one device (``mark_grads``: for the fusion pass, which finds the
-        gradients by their markers)."""
-        t0 = time.perf_counter()
-        traced = trace_lib.trace(
-            self._loss_fn,
-            optimizer,
-            state,
-            batch,
-            donate=self._donate,
-            precision=self._precision,
-            accum_steps=self._accum_steps,
-            mark_grads=mark_grads,
-        )
-        n = len(traced.graph_module.graph.nodes)
-        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
-        return _Compiled(traced, traced.graph_module, None, None)
-
-    def _build_mesh(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> _Compiled:
-        plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
-        state_leaves, state_def = tree.flatten(state)
-        batch_leaves, batch_def = tree.flatten(batch)
-        mode = _torch_private.fake_mode()
-        with mode:  # global-shaped stand-ins: stage 1 never allocates the global state
-            fakes = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in [*state_leaves, *batch_leaves]]
-        n = len(state_leaves)
-        # DTensor has sharding rules for the CUDA attention kernels but not the CPU one: on
-        # CPU, attention is traced as its math (bmm, softmax), which it can shard.
-        math_attention = self._mesh.device_type == "cpu"
-        attention = sdpa_kernel([SDPBackend.MATH]) if math_attention else contextlib.nullcontext()
-        t0 = time.perf_counter()
-        with attention, plain_math():  # DTensor shards torch ops, not fsg's opaque kernels
-            traced = trace_lib.trace(
-                self._loss_fn,
-                optimizer,
-                tree.unflatten(state_def, fakes[:n]),
-                tree.unflatten(batch_def, fakes[n:]),
-                donate=self._donate,
-                precision=self._precision,
-                accum_steps=self._accum_steps,
-                mark_uses=True,
-                mark_grads=True,
-                source_lines=True,  # stage 2's errors name the user's line
-            )
-        n_global = len(traced.graph_module.graph.nodes)
-        log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
-            batch_leaves, plan.batch_placements, self._mesh
-        )
-        try:
-            local = spmd.expand(
-                traced,
-                plan,
-                [tuple(t.shape) for t in state_leaves],
-                [tuple(t.shape) for t in batch_leaves],
-                local_inputs,
-                mark_grads=mark_grads,
-                reduce_dtype=self._precision.reduce,
-            )
-        except ShardingRuleError as exc:
-            where = purity.locate(self._loss_fn, state.params, batch, state.buffers, exc.op)
-            if where is None:
-                raise
-            raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
-        n_local = len(local.graph.nodes)
-        log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
-        return _Compiled(traced, local, None, plan)
-
-    def _fuse_optimizer(self, state: Any) -> bool:
-        """Whether stage 3 swaps in the fused AdamW kernel: by default on CUDA whenever it
-        applies; ``fused_optimizer=True`` insists (and says why it cannot), ``False`` never."""
-        if self._fused_optimizer is False:
-            return False
-        reason = fusion.why_not_fusable(self._optimizer, state, donate=self._donate)
-        if self._fused_optimizer and reason is not None:
-            raise UnsupportedError(f"fused_optimizer=True, but {reason}; pass fused_optimizer=None or False")
-        return reason is None and (self._fused_optimizer or state.step.is_cuda)
-
     def _graph_replay(self, state: Any, batch: Any) -> bool:
         """Whether the compiled step is replayed as a CUDA graph: by default whenever it can
         be on one device (donated state, everything on CUDA); ``cuda_graph=True`` insists, and
@@ -270,7 +163,7 @@ class Step:
             raise UnsupportedError(f"cuda_graph=True, but {reason}; pass cuda_graph=None or False")
         return reason is None
 
-    def _compile(self, signature: Signature, state: Any, batch: Any) -> _Compiled:
+    def _compile(self, signature: Signature, state: Any, batch: Any) -> Built:
         if self._last_signature is not None:
             change = describe_change(self._last_signature, signature, state, batch)
             message = (
@@ -283,7 +176,7 @@ class Step:
                     message.replace("tracing and compiling it again", "strict=True forbids a recompile")
                 )
             warnings.warn(message, RecompileWarning, stacklevel=3)
-        built = self._build(state, batch)
+        built = self._builder.build(state, batch)
         fn = backend_lib.compile_graph(built.graph, self._backend)
         if self._graph_replay(state, batch):
             fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves, strict=bool(self._cuda_graph))
@@ -332,7 +225,7 @@ class Step:
     def lower(self, state: TrainState, batch: Any) -> Lowered:
         """The traced step graph for this state and batch, for inspection (nothing runs)."""
         signature, state_leaves, batch_leaves = self._signature(state, batch)
-        built = self._cache.get(signature) or self._build(state, batch)
+        built = self._cache.get(signature) or self._builder.build(state, batch)
         inputs = [*state_leaves, *batch_leaves]
         if built.plan is not None:
             inputs = [t.to_local() for t in state_leaves] + placement.local_batch(

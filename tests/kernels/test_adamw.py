@@ -162,7 +162,7 @@ def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch):
         raise fsg.UnsupportedError("fused AdamW: refused for this test")
 
     monkeypatch.setattr(fusion, "fuse_adamw", refuse)
-    monkeypatch.setattr(fsg._src.step.Step, "_fuse_optimizer", lambda self, state: True)
+    monkeypatch.setattr(fsg._src.build.Builder, "fuse_optimizer", lambda self, state: True)
     step, state = _step(None)
     plain, plain_state = _step(False)
     assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()

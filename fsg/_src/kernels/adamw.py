@@ -106,7 +106,7 @@ class _Tables:
     compiled step passes the same state storages every call). Gradients are new tensors each
     call, often at the same addresses: their table is uploaded again only when one moved."""
 
-    def __init__(self, params, grads, mus, nus, wds, block):
+    def __init__(self, params, mus, nus, wds, block):
         device = params[0].device
         blocks = [triton.cdiv(p.numel(), block) for p in params]
         self.num_blocks = sum(blocks)
@@ -129,9 +129,8 @@ _TABLES: dict[tuple, _Tables] = {}
 _MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
 
 
-def _key(params, grads, mus, nus, wds, block) -> tuple:
-    shapes = tuple(g.numel() for g in grads)
-    return (block, tuple(wds), shapes, *((t.data_ptr(), t.numel()) for t in (*params, *mus, *nus)))
+def _key(params, mus, nus, wds, block) -> tuple:
+    return (block, tuple(wds), *((t.data_ptr(), t.numel()) for t in (*params, *mus, *nus)))
 
 
 def bias_corrections(count: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
@@ -159,12 +158,12 @@ def launch(
         launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block)
         return
     consts = (bias_corrections(count, b1, b2), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
-    key = _key(params, grads, mus, nus, wds, block)
+    key = _key(params, mus, nus, wds, block)
     tables = _TABLES.get(key)
     if tables is None:
         if len(_TABLES) >= _MAX_CACHED:
             _TABLES.clear()
-        tables = _TABLES[key] = _Tables(params, grads, mus, nus, wds, block)
+        tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
     p_addrs, m_addrs, v_addrs = tables.addrs
     _adamw_multi_tensor_kernel[(tables.num_blocks,)](
         p_addrs,
