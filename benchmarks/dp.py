@@ -307,24 +307,33 @@ def overlapped_communication(run, steps: int, step_ms: float, trace: str | None 
     from torch.profiler import ProfilerActivity, profile, schedule
 
     torch.cuda.synchronize()
-    # two unrecorded steps first: the profiler's start skews the ranks' first step
+    # two unrecorded steps first: the profiler's start skews the ranks' first step. The device
+    # finishes them before the recorded ones start (the host runs ahead of the device, which
+    # otherwise puts the tail of earlier steps in the recording): exactly `steps` are recorded.
     with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=steps)) as prof:
         for i in range(steps + 2):
             run(i)
+            if i == 1:
+                torch.cuda.synchronize()
+                if dist.is_initialized():
+                    dist.barrier()
+                torch.cuda.synchronize()
             prof.step()
         torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
     comm, compute = [], []
+    memsets = 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (e.time_range.start, e.time_range.end)
         (comm if "nccl" in e.name.lower() else compute).append(span)
+        memsets += "memset" in e.name.lower()
     everything = _union(comm + compute)
     window = (everything[0][0], everything[-1][1]) if everything else (0.0, 0.0)
-    # the steps the recorded kernels span (the schedule's warm-up step can be among them)
-    steps = max(1, round((window[1] - window[0]) / 1e3 / step_ms))
+    # when each collective of the first recorded step started (ms from its first kernel)
+    comm_starts = [round((a - window[0]) / 1e3, 2) for a, _ in sorted(comm) if a - window[0] < step_ms * 1e3]
     busy = _union(compute)
     comm_us = sum(b - a for a, b in _union(comm))
     hidden = 0.0
@@ -352,9 +361,12 @@ def overlapped_communication(run, steps: int, step_ms: float, trace: str | None 
         "compute_ms_per_step": sum(b - a for a, b in busy) / 1e3 / steps,
         "exposed_ms_per_step": (comm_us - hidden) / 1e3 / steps,
         "idle_ms_per_step": idle / 1e3 / steps,  # no kernel at all (host, launch or sync gaps)
-        "window_ms": (window[1] - window[0]) / 1e3,
+        "window_ms": (window[1] - window[0]) / 1e3,  # ~ steps * step time
         "steps_recorded": steps,
+        "kernels_per_step": (len(comm) + len(compute)) / steps,
+        "memsets_per_step": memsets / steps,
         "nccl_kernels_per_step": len(comm) / steps,
+        "nccl_starts_ms": comm_starts,
         "longest_exposed": longest(exposed),
         "longest_idle": longest(gaps),
         "idle_gaps_over_50us": sum(1 for a, b in gaps if b - a > 50),
