@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", type=int, default=3, help="steps to profile for the overlap figure (0: none)")
     parser.add_argument("--trace", help="write rank 0's profile as a Chrome trace (.json.gz) here")
@@ -197,12 +197,19 @@ def main() -> None:
     sync()
     if dist.is_initialized():
         dist.barrier()
+    cuda = dev.type == "cuda"
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
     t0 = time.perf_counter()
+    if marks:
+        marks[0].record()
     for i in range(args.steps):
         loss = run(i)
+        if marks:
+            marks[i + 1].record()  # each step's device time, without a host sync
     host_ms = (time.perf_counter() - t0) * 1e3 / args.steps  # the host's time to issue a step
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    per_step = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
     trace = args.trace if rank == 0 else None
     overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and dev.type == "cuda" else None
     if rank == 0:
@@ -227,6 +234,8 @@ def main() -> None:
             / (PEAK_TFLOPS * 1e12 * world),
             "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "host_ms_per_step": host_ms,
+            # the device's time per step between events: min, median, max
+            "step_ms_min_median_max": [per_step[0], per_step[len(per_step) // 2], per_step[-1]] if per_step else None,
             "compile_s": compile_s,
             "overlap": overlap,
             "first_loss": first,

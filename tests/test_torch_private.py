@@ -60,6 +60,7 @@ def test_functional_collectives_have_the_signatures_the_overlap_pass_uses():
     assert [a.name for a in schema.arguments] == ["input", "reduce_op", "group_name"]
     assert [a.name for a in _torch_private.WAIT_TENSOR._schema.arguments] == ["tensor"]
     assert _torch_private.REDUCE_SCATTER._schema.arguments[0].name == "input"
+    assert [a.name for a in _torch_private.ALL_GATHER._schema.arguments] == ["input", "group_size", "group_name"]
     assert all(map(_torch_private.is_collective, (_torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR)))
     assert not _torch_private.is_collective(torch.ops.aten.mm.default) and not _torch_private.is_collective("output")
 

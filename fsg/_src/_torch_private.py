@@ -18,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "ALL_GATHER",
     "ALL_REDUCE",
     "DATA_DEPENDENT_ERRORS",
     "HOST_SYNC_OPS",
@@ -48,6 +49,7 @@ HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
 # The functional collectives stage 2 emits (DTensor lowers redistributions to them); the
 # overlap pass rewrites the gradient all-reduces among them.
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default  # (input, group_size, group_name)
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 

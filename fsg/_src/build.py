@@ -74,10 +74,12 @@ class Builder:
                 if self._fused_optimizer:  # asked for; by default the traced math runs
                     raise
                 built, fuse = build(state, batch, self._optimizer, False), False
-        if self._mesh is not None and self._bucket_mb:  # stage 3: bucket gradient collectives
+        if self._mesh is not None and self._bucket_mb:  # stage 3: bucket and place the collectives
+            overlap.bucket_parameter_gathers(built.graph, self._bucket_mb)
             overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
             if fuse:  # update each bucket's params as soon as its reduction lands
                 fusion.update_on_arrival(built.graph)
+            overlap.defer_small_collectives(built.graph)
         return built
 
     def _local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:

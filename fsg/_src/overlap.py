@@ -17,6 +17,15 @@ A bucket never holds an all-reduce whose input depends on an earlier member's re
 parallel's forward all-reduces do): it is closed before such a member, so the rewrite keeps
 every dependency. The sums are elementwise, so the result is the same as one collective per
 tensor.
+
+Two more rewrites serve the same end. FSDP's parameter all-gathers (stage 2 emits each one,
+with its wait, where the loss reads the parameter: all at the step's start) are packed into
+buckets in the order the forward uses them, and each bucket is issued one bucket ahead of its
+use, so the forward computes layer k while layer k+1's parameters arrive
+(``bucket_parameter_gathers``). And the forward's small collectives stop blocking the step:
+one whose input depends on the batch alone (the token count of a mean loss) is issued at the
+step's start, and a wait whose result only feeds the step's outputs (the loss metric) moves to
+the step's end (``defer_small_collectives``).
 """
 
 from __future__ import annotations
@@ -194,6 +203,180 @@ def _rewrite_reduce_scatter(graph: fx.Graph, bucket: list[_Item], last_input: fx
     for item in bucket:
         graph.erase_node(item.wait)
         graph.erase_node(item.collective)
+
+
+def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
+    """The views and casts from a graph input to ``node`` (in order, ``node`` last), or
+    ``None`` if ``node`` is not such a chain (an all-gather's input: a parameter's shard cast
+    to the compute dtype)."""
+    chain = []
+    while node.op == "call_function" and node.target in _MOVABLE and len(node.all_input_nodes) == 1:
+        chain.append(node)
+        node = node.args[0]
+    return list(reversed(chain)) if node.op == "placeholder" and chain else None
+
+
+def _first_compute_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in graph.nodes if n.op != "placeholder")
+
+
+class _Gather:
+    def __init__(self, collective: fx.Node, wait: fx.Node, chain: list[fx.Node], order: dict):
+        self.collective, self.wait, self.chain = collective, wait, chain
+        self.input, self.output = _value(collective.args[0]), _value(wait)
+        self.first_use = min((u for u in wait.users), key=order.__getitem__)
+        self.key = (self.input.dtype, self.input.device, *collective.args[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return self.output.numel() * self.output.element_size()
+
+
+def _gathers(graph: fx.Graph) -> list[_Gather]:
+    for node in graph.nodes:
+        if node.target is _torch_private.ALL_GATHER:
+            for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
+                _sink_casts(wait)  # the gathered weight's views move down to the matmul
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not _torch_private.ALL_GATHER:
+            continue
+        users = list(node.users)
+        chain = _placeholder_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or not users[0].users:
+            continue
+        if chain is None or _value(node.args[0]) is None or _value(users[0]) is None:
+            continue
+        found.append(_Gather(node, users[0], chain, order))
+    return sorted(found, key=lambda g: order[g.first_use])
+
+
+def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], issue_before: fx.Node) -> fx.Node:
+    """Packs ``bucket``'s all-gathers into one, issued right before ``issue_before``; returns
+    the bucket's wait (placed before its first use). Rank r's shards are concatenated, so the
+    gathered buffer is ``[W, sum of shard sizes]``: row r holds rank r's shards, and each
+    parameter is its column block, made contiguous."""
+    _, world, group = bucket[0].collective.args
+    for gather in bucket:  # the shard's cast (and views) move up with the collective
+        for node in gather.chain:
+            issue_before.prepend(node)
+    sizes = [g.input.numel() for g in bucket]
+    dtype = bucket[0].input.dtype
+    with graph.inserting_before(issue_before):
+        flats = [graph.call_function(_aten.reshape.default, (g.collective.args[0], [-1])) for g in bucket]
+        flat = graph.call_function(_aten.cat.default, (flats,))
+        flat.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
+        gathered = graph.call_function(_torch_private.ALL_GATHER, (flat, world, group))
+        gathered.meta["val"] = torch.empty(world * sum(sizes), dtype=dtype, device="meta")
+    with graph.inserting_before(bucket[0].first_use):
+        done = graph.call_function(_torch_private.WAIT_TENSOR, (gathered,))
+        done.meta["val"] = gathered.meta["val"]
+        rows = graph.call_function(_aten.view.default, (done, [world, sum(sizes)]))
+        pieces = graph.call_function(_aten.split_with_sizes.default, (rows, sizes, 1))
+        for k, gather in enumerate(bucket):
+            piece = graph.call_function(operator.getitem, (pieces, k))
+            dense = graph.call_function(_aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+            shaped = graph.call_function(_aten.view.default, (dense, list(gather.output.shape)))
+            shaped.meta["val"] = gather.output
+            gather.wait.replace_all_uses_with(shaped)
+    for gather in bucket:
+        graph.erase_node(gather.wait)
+        graph.erase_node(gather.collective)
+    return done
+
+
+def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
+    """Packs the parameter all-gathers of ``gm`` (FSDP's, stage 2 rule 3) into buckets of at
+    most ``bucket_mb`` gathered, in the order the step first uses them; bucket 0 is issued at
+    the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
+    FSDP2 does). Gathers whose input is not a cast or view of a graph input (an uneven shard's
+    padding) are left as they are. Returns the number of packed collectives."""
+    items = _gathers(gm.graph)
+    buckets: list[list[_Gather]] = []
+    for item in items:
+        current = buckets[-1] if buckets else None
+        if current and current[0].key == item.key and sum(g.nbytes for g in current) + item.nbytes <= bucket_mb * 2**20:
+            current.append(item)
+        else:
+            buckets.append([item])
+    issue_before = _first_compute_node(gm.graph)
+    for bucket in buckets:
+        issue_before = _rewrite_gathers(gm.graph, bucket, issue_before)
+    gm.graph.lint()
+    gm.recompile()
+    return len(buckets)
+
+
+_SMALL = 4096  # elements: the forward's scalars (a token count, a loss sum), never a gradient bucket
+_SHAPE_ONLY = frozenset({_aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default})
+
+
+def _input_cone(node: fx.Node, limit: int = 32) -> list[fx.Node] | None:
+    """The ops ``node`` is computed from, if they are few, pure and read only graph inputs (a
+    token count read from the labels); ``None`` otherwise."""
+    cone, stack = {}, [node]
+    while stack:
+        n = stack.pop()
+        if n in cone or n.op in ("placeholder", "get_attr"):
+            continue
+        if n.op != "call_function" or not _torch_private.is_pure_op(n.target) or _torch_private.is_collective(n.target):
+            return None
+        cone[n] = None
+        if len(cone) > limit:
+            return None
+        stack.extend(n.all_input_nodes)
+    return list(cone)
+
+
+def _output_only_tail(wait: fx.Node) -> list[fx.Node] | None:
+    """``wait`` and the pure ops after it, if they feed nothing but the graph's outputs."""
+    tail, stack = {}, [wait]
+    while stack:
+        n = stack.pop()
+        if n in tail:
+            continue
+        if n.op != "call_function" or not _torch_private.is_pure_op(n.target):
+            return None
+        tail[n] = None
+        stack.extend(u for u in n.users if u.op != "output")
+    return list(tail)
+
+
+def defer_small_collectives(gm: fx.GraphModule) -> int:
+    """Takes the forward's small all-reduces off the step's critical path (see the module
+    docstring); returns how many collectives it moved. Run it after the bucketing pass."""
+    graph = gm.graph
+    moved = 0
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]  # hoisted ops go after it, in order
+    for node in list(graph.nodes):
+        if node.target is not _torch_private.ALL_REDUCE or not isinstance(node.args[0], fx.Node):
+            continue
+        value = _value(node.args[0])
+        if value is None or value.numel() > _SMALL:
+            continue
+        cone = _input_cone(node.args[0])
+        if cone:  # read from the batch only: issue it first thing
+            order = {n: k for k, n in enumerate(graph.nodes)}
+            # (ops an earlier hoist already moved up stay where they are, before their users)
+            for n in [*sorted((n for n in cone if order[n] > order[anchor]), key=order.__getitem__), node]:
+                anchor.append(n)
+                anchor = n
+            moved += 1
+        for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
+            for user in list(wait.users):  # the backward's seed reads only the loss's shape
+                if user.target in _SHAPE_ONLY:  # an all-reduce's result has its input's shape
+                    user.replace_input_with(wait, node.args[0])
+            tail = _output_only_tail(wait)
+            if tail and wait.users:
+                order = {n: k for k, n in enumerate(graph.nodes)}
+                output = next(n for n in reversed(graph.nodes) if n.op == "output")
+                for n in sorted(tail, key=order.__getitem__):
+                    output.prepend(n)
+                moved += 1
+    graph.lint()
+    gm.recompile()
+    return moved
 
 
 def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:

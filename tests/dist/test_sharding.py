@@ -38,14 +38,18 @@ def run_case(ranks, fn, world, axes, specs, batch_axes):
 
 @DIST
 @given(case_strategy(MLP_SHAPES, batch=16))
-@example((4, {"dp": 2, "tp": 2}, {"0.weight": ("tp", "dp"), "0.bias": ("tp",), "2.weight": (None, ("dp", "tp"))}, ("dp",)))
+@example(
+    (4, {"dp": 2, "tp": 2}, {"0.weight": ("tp", "dp"), "0.bias": ("tp",), "2.weight": (None, ("dp", "tp"))}, ("dp",))
+)
 def test_sharded_mlp_matches_unsharded(ranks, case):
     run_case(ranks, workers.check_mlp, *case)
 
 
 @DIST
 @given(case_strategy(GPT_SHAPES, batch=4))
-@example((4, {"dp": 2, "tp": 2}, {"blocks.0.fc.weight": ("tp", "dp"), "blocks.0.fc_proj.weight": ("dp", "tp")}, ("dp",)))
+@example(
+    (4, {"dp": 2, "tp": 2}, {"blocks.0.fc.weight": ("tp", "dp"), "blocks.0.fc_proj.weight": ("dp", "tp")}, ("dp",))
+)
 def test_sharded_transformer_matches_unsharded(ranks, case):
     run_case(ranks, workers.check_gpt, *case)
 
@@ -166,6 +170,29 @@ def test_fsdp_reduce_scatters_are_packed_and_issued_during_the_backward(ranks):
     small = ranks(2).run(workers.bucketed_data_parallel, 0.02, "fsdp")[0]
     assert 1 < dict((k, c) for k, _, _, c in small["table"])["reduce_scatter_tensor"] < 8
     assert small["first_grad_all_reduce"] < small["last_matmul"]  # the first reduce-scatter
+
+
+def test_fsdp_parameter_gathers_are_packed_and_prefetched_one_bucket_ahead(ranks):
+    """Stage 2 gathers every parameter, each waited at once, at the step's start; the pass
+    packs them in forward order and issues bucket k+1 before bucket k's wait."""
+    one = ranks(2).run(workers.fsdp_gather_order, 25.0)[0]
+    assert len(one["issued"]) == 1 and one["issued"][0] < one["first_matmul"]
+    assert one["gathered_bytes"] == one["param_bytes_bf16"] // 2  # each rank's bf16 shards, once
+    assert one["dtypes"] == ["torch.bfloat16"]  # cast before the gather
+    small = ranks(2).run(workers.fsdp_gather_order, 0.005)[0]  # ~5 KB: several buckets
+    issued, waits = small["issued"], small["waits"]
+    assert 2 < len(issued) < 8  # 8 params
+    assert waits == sorted(waits) and issued[0] < small["first_matmul"]
+    assert all(issued[k + 1] < waits[k] for k in range(len(issued) - 1))  # one bucket of prefetch
+    assert waits[-1] > small["first_matmul"]  # the last layer's bucket is waited for mid-forward
+
+
+def test_the_forward_small_collectives_leave_the_critical_path(ranks):
+    """The token count (read from the labels) is reduced first thing and the loss metric's
+    sum is waited for only at the step's end: neither blocks the compute between them."""
+    order = ranks(2).run(workers.small_collective_order)[0]
+    assert order["count_issued"] < order["first_matmul"]
+    assert order["loss_issued"] < order["last_matmul"] < order["loss_waited"]
 
 
 @pytest.mark.parametrize(

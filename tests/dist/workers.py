@@ -320,13 +320,17 @@ def check_accumulation(axes: dict, preset: str) -> list[str]:
     return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
 
 
+def _four_layer_mlp() -> nn.Module:
+    layers = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(64, 4))
+
+
 def bucketed_data_parallel(bucket_mb: float, preset: str = "dp", compute: str = "float32") -> dict:
     """A 4-layer MLP under data parallelism (or FSDP) with ``bucket_mb``: the collectives
     table, where the first gradient collective sits in the local graph, and 3 steps against
     unsharded."""
     torch.manual_seed(0)
-    layers = [nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)]
-    model = nn.Sequential(*layers)
+    model = _four_layer_mlp()
     mesh = fsg.testing.mesh({"dp": 2})
     rules = fsg.sharding.fsdp("dp") if preset == "fsdp" else None
     policy = fsg.Policy(compute=getattr(torch, compute))
@@ -352,8 +356,6 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp", compute: str = 
         "last_matmul": matmuls[-1],
         "param_bytes": sum(p.numel() * 4 for p in fsg.params(model).values()),
     }
-
-
 
 
 def fused_update_order(bucket_mb: float, preset: str = "dp", accum_steps: int = 1) -> dict:
@@ -406,4 +408,62 @@ def reduce_dtype_bytes(preset: str, reduce: str | None) -> dict:
     return {
         "bytes": sum(r.bytes for r in lowered.collectives() if r.kind == kind),
         "grad_dtypes": sorted({str(g.meta["val"].dtype) for g in update.args[1]}),
+    }
+
+
+def _graph_nodes(step, batch, model) -> list:
+    return list(step.lower(step.init(fsg.params(model)), batch).graph_module.graph.nodes)
+
+
+def fsdp_gather_order(bucket_mb: float) -> dict:
+    """A 4-layer MLP under FSDP with bf16 compute and ``bucket_mb``: 3 steps against unsharded,
+    and where the parameter all-gathers and their waits sit in the local graph."""
+    torch.manual_seed(0)
+    model = _four_layer_mlp()
+    mesh = fsg.testing.mesh({"dp": 2})
+    options = dict(
+        optimizer=fsg.optim.sgd(0.1), param_sharding=fsg.sharding.fsdp("dp"), bucket_mb=bucket_mb,
+        precision=fsg.Policy(compute=torch.bfloat16),
+    )  # fmt: skip
+    batch = {"x": torch.randn(16, 16), "y": torch.randn(16, 4)}
+    fsg.testing.assert_sharded_matches_unsharded(
+        mse_loss_fn(model), fsg.params(model), [batch] * 3, mesh, rtol=2e-2, atol=2e-3, **options
+    )
+    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="aot_eager", **options)
+    nodes = _graph_nodes(step, batch, model)
+    gathers = [i for i, n in enumerate(nodes) if "all_gather" in str(n.target)]
+    matmuls = [i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
+    table = {row.kind: row for row in step.lower(step.init(fsg.params(model)), batch).collectives()}
+    return {
+        "issued": gathers,
+        "waits": [nodes.index(next(iter(nodes[i].users))) for i in gathers],
+        "dtypes": sorted({str(nodes[i].args[0].meta["val"].dtype) for i in gathers}),
+        "gathered_bytes": table["all_gather_into_tensor"].bytes,
+        "param_bytes_bf16": sum(p.numel() * 2 for p in fsg.params(model).values()),
+        "first_matmul": matmuls[0],
+        "last_matmul": matmuls[-1],
+    }
+
+
+def small_collective_order() -> dict:
+    """The tiny GPT on ``Mesh({"dp": 2})``: where the forward's token-count all-reduce and the
+    loss metric's wait sit in the local graph, relative to the matmuls."""
+    model = tiny_gpt()
+    step = fsg.compile_step(
+        gpt_loss(model), fsg.testing.mesh({"dp": 2}), optimizer=fsg.optim.sgd(0.1), backend="aot_eager"
+    )
+    nodes = _graph_nodes(step, gpt_batches(1)[0], model)
+    matmuls = [
+        i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+    ]
+    small = [n for n in nodes if "all_reduce" in str(n.target) and n.args[0].meta["val"].numel() == 1]
+    count = next(n for n in small if n.args[0].meta["val"].dtype == torch.int64)
+    loss = next(n for n in small if n.args[0].meta["val"].is_floating_point() and n.args[1] == "sum")
+    return {
+        "count_issued": nodes.index(count),
+        "count_waited": nodes.index(next(iter(count.users))),
+        "loss_issued": nodes.index(loss),
+        "loss_waited": nodes.index(next(iter(loss.users))),
+        "first_matmul": matmuls[0],
+        "last_matmul": matmuls[-1],
     }
