@@ -209,7 +209,7 @@ def main() -> None:
     host_ms = (time.perf_counter() - t0) * 1e3 / args.steps  # the host's time to issue a step
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    per_step = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
+    per_step = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
     trace = args.trace if rank == 0 else None
     overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and dev.type == "cuda" else None
     if rank == 0:
@@ -234,8 +234,9 @@ def main() -> None:
             / (PEAK_TFLOPS * 1e12 * world),
             "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
             "host_ms_per_step": host_ms,
-            # the device's time per step between events: min, median, max
-            "step_ms_min_median_max": [per_step[0], per_step[len(per_step) // 2], per_step[-1]] if per_step else None,
+            # the device's time per step between events, in order, and their median
+            "step_ms_each": [round(t, 2) for t in per_step],
+            "step_ms_median": sorted(per_step)[len(per_step) // 2] if per_step else None,
             "compile_s": compile_s,
             "overlap": overlap,
             "first_loss": first,
