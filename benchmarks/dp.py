@@ -20,8 +20,8 @@ tensor parallelism of each block (the fused qkv split by heads), each block
 ``torch.compile``d, then ``fully_shard`` of each block and of the model over ``dp``
 (``MixedPrecisionPolicy``: bf16 compute, --reduce gradient reduction), ``AdamW(foreach=True)``;
 ``--impl fsdp2 --mesh dp=2,tp=2 --check`` checks its tensor-parallel plan. With one process:
-the one-GPU baselines. Rank 0 prints one JSON line: mean step time over --steps after
---warmup steps, global tokens/s, MFU, per-GPU peak memory, the first call's wall time and,
+the one-GPU baselines. Rank 0 prints one JSON line: the mean device time per step over --steps
+(CUDA events; after --warmup steps, a barrier and one more step), each step's time, global tokens/s, MFU, per-GPU peak memory, the first call's wall time and,
 from a CUDA profile, the fraction of communication that ran beside compute.
 """
 
@@ -197,6 +197,11 @@ def main() -> None:
     sync()
     if dist.is_initialized():
         dist.barrier()
+    # One more step before the clock starts: the ranks leave the barrier at different times, and
+    # the first step after it absorbs that skew (5-7 ms on two H200s), which is not the steady
+    # state. On CUDA the step time is the device's, from events recorded after each step (no
+    # host sync in the loop): the mean over the steps, and each step's.
+    run(args.warmup)
     cuda = dev.type == "cuda"
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
     t0 = time.perf_counter()
@@ -205,11 +210,13 @@ def main() -> None:
     for i in range(args.steps):
         loss = run(i)
         if marks:
-            marks[i + 1].record()  # each step's device time, without a host sync
+            marks[i + 1].record()
     host_ms = (time.perf_counter() - t0) * 1e3 / args.steps  # the host's time to issue a step
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     per_step = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    if per_step:
+        ms = sum(per_step) / len(per_step)
     trace = args.trace if rank == 0 else None
     overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and dev.type == "cuda" else None
     if rank == 0:
