@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The two-GPU data-parallel comparison of RESULTS.md (run 14) in one go, on a machine with two
+# GPUs: fsg on one GPU, fsg data parallel and FSDP on two (graph replay, bf16 reductions), DDP.
+# Usage: OUT=out bash benchmarks/run_dp.sh   (about 4 minutes; PROFILE=3 adds the overlap
+# profile). One JSON line per run in $OUT/results.jsonl, each run's log in $OUT/<name>.log.
+set -u
+OUT=${OUT:-out}
+STEPS=${STEPS:-50}
+PROFILE=${PROFILE:-0}
+mkdir -p "$OUT"
+job() {
+  local name=$1 n=$2
+  shift 2
+  timeout 300 torchrun --nproc-per-node "$n" benchmarks/dp.py "$@" --steps "$STEPS" --profile "$PROFILE" \
+    > "$OUT/$name.log" 2>&1
+  echo "$name rc=$?" >> "$OUT/runs.txt"
+  grep '^RESULT' "$OUT/$name.log" | sed "s/^RESULT /{\"run\": \"$name\", \"r\": /; s/\$/}/" >> "$OUT/results.jsonl"
+}
+job fsg-1gpu 1 --impl fsg
+job fsg-dp-graph-bf16 2 --impl fsg-graph --reduce bfloat16
+job fsg-fsdp-graph-bf16 2 --impl fsg-graph --sharding fsdp --reduce bfloat16
+job ddp 2 --impl ddp
