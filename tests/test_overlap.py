@@ -86,3 +86,95 @@ def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
         flat = rows[rank].reshape(-1)
         got_a, got_b = (p.view(s) for p, s in zip(flat.split([6, 1]), ([2, 3], [1])))
         assert torch.equal(got_a, x_a[2 * rank : 2 * rank + 2]) and torch.equal(got_b, x_b[rank : rank + 1])
+
+
+GATHER = _torch_private.ALL_GATHER
+
+
+def _gather(graph, shard, world=2):
+    value = shard.meta["val"]
+    node = graph.call_function(GATHER, (shard, world, "group0"))
+    node.meta["val"] = torch.empty(world * value.shape[0], *value.shape[1:], dtype=value.dtype, device="meta")
+    wait = graph.call_function(WAIT, (node,))
+    wait.meta["val"] = node.meta["val"]
+    return wait
+
+
+def _cast(graph, x):
+    node = graph.call_function(torch.ops.aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
+    node.meta["val"] = torch.empty(x.meta["val"].shape, dtype=torch.bfloat16, device="meta")
+    return node
+
+
+def _mm(graph, a, b):
+    return graph.call_function(torch.ops.aten.mm.default, (a, b))
+
+
+def test_parameter_gathers_pack_in_use_order_and_a_shared_cast_stays_before_its_readers():
+    """The first compute node is a gathered shard's cast, and one cast feeds gathers in two
+    buckets (a tied weight read twice): the rewrite keeps every op before its readers."""
+    graph = fx.Graph()
+    a, b, c = (_placeholder(graph, n, (4, 8)) for n in "abc")
+    ca, cb, cc = _cast(graph, a), _cast(graph, b), _cast(graph, c)
+    ga, gb, gc, ga_again = _gather(graph, ca), _gather(graph, cb), _gather(graph, cc), _gather(graph, ca)
+    h = _mm(graph, ga, ga)
+    h = _mm(graph, gb, h)
+    h = _mm(graph, gc, h)
+    graph.output((_mm(graph, ga_again, h),))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    two_per_bucket = 2 * 8 * 8 * 2 / 2**20  # MiB: two gathered (8, 8) bf16 tensors
+    assert overlap.bucket_parameter_gathers(gm, bucket_mb=two_per_bucket) == 2
+    gm.graph.lint()  # topologically ordered
+    nodes = list(gm.graph.nodes)
+    gathers = [n for n in nodes if n.target is GATHER]
+    waits = [n for n in nodes if n.target is WAIT]
+    matmuls = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert all(g.args[0].target is torch.ops.aten.cat.default for g in gathers)  # packed shards
+    # bucket 1 ([c, a again]) is issued before bucket 0 ([a, b]) is waited for: one of prefetch
+    assert nodes.index(gathers[0]) < nodes.index(gathers[1]) < nodes.index(waits[0]) < nodes.index(matmuls[0])
+    # bucket 1 is waited for only where its first tensor is used (the third matmul)
+    assert nodes.index(matmuls[1]) < nodes.index(waits[1]) < nodes.index(matmuls[2])
+
+
+def test_a_gather_of_a_computed_tensor_is_left_alone():
+    graph = fx.Graph()
+    x = _placeholder(graph, "x", (4, 8))
+    padded = graph.call_function(torch.ops.aten.constant_pad_nd.default, (x, [0, 0, 0, 1]))
+    padded.meta["val"] = torch.empty(5, 8, device="meta")
+    graph.output((_mm(graph, _gather(graph, padded), x),))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert overlap.bucket_parameter_gathers(gm) == 0
+    assert sum(n.target is GATHER for n in gm.graph.nodes) == 1
+
+
+def test_the_token_count_is_reduced_first_and_the_loss_metric_waited_for_last():
+    """A mean loss on a sharded batch: the count (from the labels) is issued first thing, the
+    loss sum's wait (read by the metric, and by the backward's seed for its shape) moves to the
+    end; the gradient, written into the state in place, stays where it is."""
+    graph = fx.Graph()
+    w, x, y = _placeholder(graph, "w", (8, 8)), _placeholder(graph, "x", (4, 8)), _placeholder(graph, "y", (4,))
+    h = x
+    for _ in range(40):  # the forward: more ops than a batch-only cone may have
+        h = _mm(graph, h, w)
+        h.meta["val"] = torch.empty(4, 8, device="meta")
+    loss_sum = graph.call_function(torch.ops.aten.sum.default, (h,))
+    loss_sum.meta["val"] = torch.empty((), device="meta")
+    count = graph.call_function(torch.ops.aten.sum.default, (graph.call_function(torch.ops.aten.ne.Scalar, (y, -100)),))
+    count.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+    total, tokens = _reduce(graph, loss_sum), _reduce(graph, count)
+    seed = graph.call_function(torch.ops.aten.ones_like.default, (total,))  # the backward's seed
+    scaled = graph.call_function(torch.ops.aten.div.Tensor, (seed, tokens))
+    grad = _mm(graph, graph.call_function(torch.ops.aten.mul.Tensor, (x, scaled)), w)
+    update = graph.call_function(torch.ops.aten.copy_.default, (w, grad))  # donation: in place
+    metric = graph.call_function(torch.ops.aten.detach.default, (total,))
+    graph.output((metric, update))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert overlap.defer_small_collectives(gm) == 2  # the count hoisted, the loss's wait deferred
+    gm.graph.lint()
+    nodes = list(gm.graph.nodes)
+    count_reduce, loss_reduce = (next(n for n in nodes if n.target is AR and n.args[0] is v) for v in (count, loss_sum))
+    matmuls = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert nodes.index(count_reduce) < nodes.index(matmuls[0])
+    loss_wait = next(iter(loss_reduce.users))
+    assert nodes.index(update) < nodes.index(loss_wait) < nodes.index(metric)  # after everything else
+    assert seed.args[0] is loss_sum  # the seed no longer waits for the reduction

@@ -216,8 +216,8 @@ def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
     return list(reversed(chain)) if node.op == "placeholder" and chain else None
 
 
-def _first_compute_node(graph: fx.Graph) -> fx.Node:
-    return next(n for n in graph.nodes if n.op != "placeholder")
+def _last_placeholder(graph: fx.Graph) -> fx.Node:
+    return [n for n in graph.nodes if n.op == "placeholder"][-1]
 
 
 class _Gather:
@@ -252,18 +252,23 @@ def _gathers(graph: fx.Graph) -> list[_Gather]:
     return sorted(found, key=lambda g: order[g.first_use])
 
 
-def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], issue_before: fx.Node) -> fx.Node:
-    """Packs ``bucket``'s all-gathers into one, issued right before ``issue_before``; returns
-    the bucket's wait (placed before its first use). Rank r's shards are concatenated, so the
-    gathered buffer is ``[W, sum of shard sizes]``: row r holds rank r's shards, and each
-    parameter is its column block, made contiguous."""
+def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node) -> fx.Node:
+    """Packs ``bucket``'s all-gathers into one, issued right after ``after``; returns the node
+    right before the bucket's wait (placed before its first use), where the next bucket is
+    issued. Rank r's shards are concatenated, so the gathered buffer is ``[W, sum of shard
+    sizes]``: row r holds rank r's shards, and each parameter is its column block, made
+    contiguous."""
     _, world, group = bucket[0].collective.args
-    for gather in bucket:  # the shard's cast (and views) move up with the collective
-        for node in gather.chain:
-            issue_before.prepend(node)
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    anchor = after
+    for gather in bucket:  # the shard's cast (and views) move up to the collective if later,
+        for node in gather.chain:  # never down (another reader may come before the collective)
+            if order[node] > order[anchor]:
+                anchor.append(node)
+                anchor = node
     sizes = [g.input.numel() for g in bucket]
     dtype = bucket[0].input.dtype
-    with graph.inserting_before(issue_before):
+    with graph.inserting_before(anchor.next):
         flats = [graph.call_function(_aten.reshape.default, (g.collective.args[0], [-1])) for g in bucket]
         flat = graph.call_function(_aten.cat.default, (flats,))
         flat.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
@@ -283,7 +288,7 @@ def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], issue_before: fx.No
     for gather in bucket:
         graph.erase_node(gather.wait)
         graph.erase_node(gather.collective)
-    return done
+    return done.prev
 
 
 def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
@@ -300,9 +305,9 @@ def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCK
             current.append(item)
         else:
             buckets.append([item])
-    issue_before = _first_compute_node(gm.graph)
+    after = _last_placeholder(gm.graph)
     for bucket in buckets:
-        issue_before = _rewrite_gathers(gm.graph, bucket, issue_before)
+        after = _rewrite_gathers(gm.graph, bucket, after)
     gm.graph.lint()
     gm.recompile()
     return len(buckets)
@@ -348,7 +353,7 @@ def defer_small_collectives(gm: fx.GraphModule) -> int:
     docstring); returns how many collectives it moved. Run it after the bucketing pass."""
     graph = gm.graph
     moved = 0
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]  # hoisted ops go after it, in order
+    anchor = _last_placeholder(graph)  # hoisted ops go after it, in order
     for node in list(graph.nodes):
         if node.target is not _torch_private.ALL_REDUCE or not isinstance(node.args[0], fx.Node):
             continue
