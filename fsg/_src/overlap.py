@@ -259,13 +259,18 @@ def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node) -> 
     sizes]``: row r holds rank r's shards, and each parameter is its column block, made
     contiguous."""
     _, world, group = bucket[0].collective.args
-    order = {n: k for k, n in enumerate(graph.nodes)}
+    placed = set()  # the nodes up to the insertion point, as it moves
+    for node in graph.nodes:
+        placed.add(node)
+        if node is after:
+            break
     anchor = after
     for gather in bucket:  # the shard's cast (and views) move up to the collective if later,
         for node in gather.chain:  # never down (another reader may come before the collective)
-            if order[node] > order[anchor]:
+            if node not in placed:
                 anchor.append(node)
                 anchor = node
+                placed.add(node)
     sizes = [g.input.numel() for g in bucket]
     dtype = bucket[0].input.dtype
     with graph.inserting_before(anchor.next):
