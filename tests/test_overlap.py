@@ -178,3 +178,21 @@ def test_the_token_count_is_reduced_first_and_the_loss_metric_waited_for_last():
     loss_wait = next(iter(loss_reduce.users))
     assert nodes.index(update) < nodes.index(loss_wait) < nodes.index(metric)  # after everything else
     assert seed.args[0] is loss_sum  # the seed no longer waits for the reduction
+
+
+def test_gathers_used_in_another_order_than_their_casts_were_made_stay_ordered():
+    """Stage 2 casts the shards in parameter order but the forward may use them in another:
+    the bucket's casts that must move up go right after the graph inputs, and the ones already
+    in place stay, both before the packed collective (a stale position table once left some
+    after it)."""
+    graph = fx.Graph()
+    a, b = _placeholder(graph, "a", (4, 8)), _placeholder(graph, "b", (4, 8))
+    va, vb = (graph.call_function(torch.ops.aten.view.default, (p, [4, 8])) for p in (a, b))
+    for v in (va, vb):
+        v.meta["val"] = torch.empty(4, 8, device="meta")
+    ca, cb = _cast(graph, va), _cast(graph, vb)
+    ga, gb = _gather(graph, ca), _gather(graph, cb)
+    graph.output((_mm(graph, ga, _mm(graph, gb, gb)),))  # b is used first
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert overlap.bucket_parameter_gathers(gm) == 1
+    gm.graph.lint()
