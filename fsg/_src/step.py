@@ -290,10 +290,12 @@ def compile_step(
         it cannot, and replay on a mesh too, NCCL collectives inside the graph
         (experimental); ``False``: never. The batch is copied into the graph's own buffers; a
         state in other storages (a restored checkpoint) is captured again.
-      bucket_mb: on a mesh, pack gradient all-reduces into buckets of at most this many MiB
-        and issue each as soon as its last gradient is computed, so that reductions overlap
-        the rest of the backward (as DDP's ``bucket_cap_mb``); ``None`` or 0: one all-reduce
-        per gradient, after the backward.
+      bucket_mb: on a mesh, pack gradient all-reduces (and FSDP's reduce-scatters) into
+        buckets of at most this many MiB and issue each as soon as its last gradient is
+        computed, so that reductions overlap the rest of the backward (as DDP's
+        ``bucket_cap_mb``); FSDP's parameter all-gathers are packed the same way and each
+        bucket is gathered while the previous one's layers compute. ``None`` or 0: one
+        collective per tensor, where stage 2 placed it.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
