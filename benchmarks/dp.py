@@ -291,14 +291,20 @@ def check_baseline(model, axes: dict, data: list, dev) -> None:
 
 
 def check_equivalence(args, model, axes: dict, data: list, dev) -> None:
-    """The sharded step against the unsharded one, batch by batch (raises on a mismatch)."""
+    """The sharded step against the unsharded one, batch by batch (raises on a mismatch).
+
+    AdamW's ``eps`` is 1e-3 here, not 1e-8: Adam normalizes each gradient by its own size, so
+    where the true gradient is ~0 (a key bias; rarely-hit weights) the two steps' summation-order
+    noise (~1e-9) becomes a full-size update of either sign, and the check failed on 1 of 65,536
+    elements on gloo (with or without fsg's passes). A larger ``eps`` leaves real gradients'
+    updates Adam-like and noise-sized ones noise-sized."""
     import fsg.testing
 
     batches = [{"x": d[:, :-1].to(dev), "y": d[:, 1:].to(dev)} for d in data[:3]]
     fsg.testing.assert_sharded_matches_unsharded(
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
         fsg.params(model), batches, fsg.Mesh(axes, device_type=dev.type),
-        optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+        optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=1e-3, weight_decay=WD),
         param_sharding=PRESETS[args.sharding](), batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
         rtol=1e-4, atol=1e-5, backend="inductor",
     )  # fmt: skip
