@@ -117,6 +117,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # fsg's per-stage timings
     info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
     rank, world, dev = info.rank, info.world_size, info.device  # world 1: the one-GPU baselines
+    cuda = dev.type == "cuda"
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
@@ -154,7 +155,6 @@ def main() -> None:
             return metrics["loss"]
 
     else:
-        cuda = dev.type == "cuda"
         if args.impl == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -188,7 +188,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             return loss
 
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
     first = float(run(0))
     compile_s = time.perf_counter() - t0
@@ -202,7 +202,6 @@ def main() -> None:
     # state. On CUDA the step time is the device's, from events recorded after each step (no
     # host sync in the loop): the mean over the steps, and each step's.
     run(args.warmup)
-    cuda = dev.type == "cuda"
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
     t0 = time.perf_counter()
     if marks:
@@ -218,7 +217,7 @@ def main() -> None:
     if per_step:
         ms = sum(per_step) / len(per_step)
     trace = args.trace if rank == 0 else None
-    overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and dev.type == "cuda" else None
+    overlap = overlapped_communication(run, args.profile, ms, trace) if args.profile and cuda else None
     if rank == 0:
         out = {
             "impl": args.impl,
@@ -239,7 +238,7 @@ def main() -> None:
             * args.seq
             / (ms / 1e3)
             / (PEAK_TFLOPS * 1e12 * world),
-            "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+            "peak_gib_per_gpu": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "host_ms_per_step": host_ms,
             # the device's time per step between events, in order, and their median
             "step_ms_each": [round(t, 2) for t in per_step],
@@ -257,7 +256,6 @@ def main() -> None:
 def _shutdown(grace_s: float = 30.0) -> None:
     """Destroys the process group; exits anyway if that hangs (torch's NCCL teardown can hang
     after CUDA graphs captured NCCL kernels: pytorch/pytorch#115388)."""
-    import os
     import threading
 
     def give_up():

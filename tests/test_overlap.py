@@ -6,7 +6,7 @@ import operator
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, overlap
+from fsg._src import _torch_private, overlap, prefetch
 
 AR, WAIT = _torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR
 
@@ -123,7 +123,7 @@ def test_parameter_gathers_pack_in_use_order_and_a_shared_cast_stays_before_its_
     graph.output((_mm(graph, ga_again, h),))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     two_per_bucket = 2 * 8 * 8 * 2 / 2**20  # MiB: two gathered (8, 8) bf16 tensors
-    assert overlap.bucket_parameter_gathers(gm, bucket_mb=two_per_bucket) == 2
+    assert prefetch.bucket_parameter_gathers(gm, bucket_mb=two_per_bucket) == 2
     gm.graph.lint()  # topologically ordered
     nodes = list(gm.graph.nodes)
     gathers = [n for n in nodes if n.target is GATHER]
@@ -143,7 +143,7 @@ def test_a_gather_of_a_computed_tensor_is_left_alone():
     padded.meta["val"] = torch.empty(5, 8, device="meta")
     graph.output((_mm(graph, _gather(graph, padded), x),))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_parameter_gathers(gm) == 0
+    assert prefetch.bucket_parameter_gathers(gm) == 0
     assert sum(n.target is GATHER for n in gm.graph.nodes) == 1
 
 
@@ -194,5 +194,5 @@ def test_gathers_used_in_another_order_than_their_casts_were_made_stay_ordered()
     ga, gb = _gather(graph, ca), _gather(graph, cb)
     graph.output((_mm(graph, ga, _mm(graph, gb, gb)),))  # b is used first
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_parameter_gathers(gm) == 1
+    assert prefetch.bucket_parameter_gathers(gm) == 1
     gm.graph.lint()

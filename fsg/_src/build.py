@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, fusion, markers, overlap, placement, purity, spmd, tree
+from fsg._src import _torch_private, fusion, markers, overlap, placement, prefetch, purity, spmd, tree
 from fsg._src import trace as trace_lib
 from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
@@ -75,7 +75,7 @@ class Builder:
                     raise
                 built, fuse = build(state, batch, self._optimizer, False), False
         if self._mesh is not None and self._bucket_mb:  # stage 3: bucket and place the collectives
-            overlap.bucket_parameter_gathers(built.graph, self._bucket_mb)
+            prefetch.bucket_parameter_gathers(built.graph, self._bucket_mb)
             overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
             if fuse:  # update each bucket's params as soon as its reduction lands
                 fusion.update_on_arrival(built.graph)

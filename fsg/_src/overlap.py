@@ -18,14 +18,11 @@ parallel's forward all-reduces do): it is closed before such a member, so the re
 every dependency. The sums are elementwise, so the result is the same as one collective per
 tensor.
 
-Two more rewrites serve the same end. FSDP's parameter all-gathers (stage 2 emits each one,
-with its wait, where the loss reads the parameter: all at the step's start) are packed into
-buckets in the order the forward uses them, and each bucket is issued one bucket ahead of its
-use, so the forward computes layer k while layer k+1's parameters arrive
-(``bucket_parameter_gathers``). And the forward's small collectives stop blocking the step:
-one whose input depends on the batch alone (the token count of a mean loss) is issued at the
-step's start, and a wait whose result only feeds the step's outputs (the loss metric) moves to
-the step's end (``defer_small_collectives``).
+The forward's small collectives stop blocking the step too: one whose input depends on the
+batch alone (the token count of a mean loss) is issued at the step's start, and a wait whose
+result only feeds the step's outputs (the loss metric) moves to the step's end
+(``defer_small_collectives``). FSDP's parameter all-gathers are packed by ``prefetch.py``,
+which shares this module's view and cast moves.
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ _VIEWS = frozenset(
      _aten.transpose.int, _aten.squeeze.dim, _aten.unsqueeze.default, _aten.alias.default, _aten.detach.default}
 )  # fmt: skip
 # views, plus the dtype cast: the pure single-input ops moved with a collective's input or result
-_MOVABLE = _VIEWS | {_aten._to_copy.default}
+MOVABLE = _VIEWS | {_aten._to_copy.default}
 
 
 def _hoist_views(node: fx.Node) -> None:
@@ -60,7 +57,7 @@ def _hoist_views(node: fx.Node) -> None:
     chain = []
     while (
         node.op == "call_function"
-        and node.target in _MOVABLE
+        and node.target in MOVABLE
         and isinstance(node.args[0], fx.Node)
         and not any(isinstance(a, fx.Node) for a in node.args[1:])
         and not any(isinstance(a, fx.Node) for a in node.kwargs.values())
@@ -74,21 +71,21 @@ def _hoist_views(node: fx.Node) -> None:
         node = view
 
 
-def _sink_casts(node: fx.Node) -> None:
+def sink_casts(node: fx.Node) -> None:
     """Moves the views and casts that read ``node`` (a collective's wait) down to right before
     their first other user: stage 2 emits a gradient reduced in ``Policy.reduce``'s dtype
     followed at once by its cast back, which would otherwise count as the result's first use
     and close the bucket."""
     for user in list(node.users):
-        if user.op != "call_function" or user.target not in _MOVABLE or len(user.all_input_nodes) != 1:
+        if user.op != "call_function" or user.target not in MOVABLE or len(user.all_input_nodes) != 1:
             continue
-        _sink_casts(user)
+        sink_casts(user)
         if user.users:
             order = {n: k for k, n in enumerate(node.graph.nodes)}
             min(user.users, key=order.__getitem__).prepend(user)
 
 
-def _value(node: fx.Node) -> torch.Tensor | None:
+def meta_value(node: fx.Node) -> torch.Tensor | None:
     value = node.meta.get("val")
     return value if isinstance(value, torch.Tensor) else None
 
@@ -97,7 +94,7 @@ class _Item:
     def __init__(self, collective: fx.Node, wait: fx.Node, order: dict):
         self.collective, self.wait = collective, wait
         self.input = collective.args[0]
-        self.value = _value(self.input)
+        self.value = meta_value(self.input)
         self.ready = order[self.input]
         self.first_use = min(order[u] for u in wait.users) if wait.users else len(order)
         # what may share a bucket: the same collective, dtype, reduce op and process group
@@ -114,7 +111,7 @@ def _items(graph: fx.Graph, order: dict) -> list[_Item]:
         if node.op != "call_function" or node.target not in _COLLECTIVES:
             continue
         users = list(node.users)
-        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or _value(node.args[0]) is None:
+        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or meta_value(node.args[0]) is None:
             continue
         found.append(_Item(node, users[0], order))
     return sorted(found, key=lambda item: item.ready)
@@ -205,117 +202,8 @@ def _rewrite_reduce_scatter(graph: fx.Graph, bucket: list[_Item], last_input: fx
         graph.erase_node(item.collective)
 
 
-def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
-    """The views and casts from a graph input to ``node`` (in order, ``node`` last), or
-    ``None`` if ``node`` is not such a chain (an all-gather's input: a parameter's shard cast
-    to the compute dtype)."""
-    chain = []
-    while node.op == "call_function" and node.target in _MOVABLE and len(node.all_input_nodes) == 1:
-        chain.append(node)
-        node = node.args[0]
-    return list(reversed(chain)) if node.op == "placeholder" and chain else None
-
-
-def _last_placeholder(graph: fx.Graph) -> fx.Node:
+def last_placeholder(graph: fx.Graph) -> fx.Node:
     return [n for n in graph.nodes if n.op == "placeholder"][-1]
-
-
-class _Gather:
-    def __init__(self, collective: fx.Node, wait: fx.Node, chain: list[fx.Node], order: dict):
-        self.collective, self.wait, self.chain = collective, wait, chain
-        self.input, self.output = _value(collective.args[0]), _value(wait)
-        self.first_use = min((u for u in wait.users), key=order.__getitem__)
-        self.key = (self.input.dtype, self.input.device, *collective.args[1:])
-
-    @property
-    def nbytes(self) -> int:
-        return self.output.numel() * self.output.element_size()
-
-
-def _gathers(graph: fx.Graph) -> list[_Gather]:
-    for node in graph.nodes:
-        if node.target is _torch_private.ALL_GATHER:
-            for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
-                _sink_casts(wait)  # the gathered weight's views move down to the matmul
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is not _torch_private.ALL_GATHER:
-            continue
-        users = list(node.users)
-        chain = _placeholder_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or not users[0].users:
-            continue
-        if chain is None or _value(node.args[0]) is None or _value(users[0]) is None:
-            continue
-        found.append(_Gather(node, users[0], chain, order))
-    return sorted(found, key=lambda g: order[g.first_use])
-
-
-def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node) -> fx.Node:
-    """Packs ``bucket``'s all-gathers into one, issued right after ``after``; returns the node
-    right before the bucket's wait (placed before its first use), where the next bucket is
-    issued. Rank r's shards are concatenated, so the gathered buffer is ``[W, sum of shard
-    sizes]``: row r holds rank r's shards, and each parameter is its column block, made
-    contiguous."""
-    _, world, group = bucket[0].collective.args
-    placed = set()  # the nodes up to the insertion point, as it moves
-    for node in graph.nodes:
-        placed.add(node)
-        if node is after:
-            break
-    anchor = after
-    for gather in bucket:  # the shard's cast (and views) move up to the collective if later,
-        for node in gather.chain:  # never down (another reader may come before the collective)
-            if node not in placed:
-                anchor.append(node)
-                anchor = node
-                placed.add(node)
-    sizes = [g.input.numel() for g in bucket]
-    dtype = bucket[0].input.dtype
-    with graph.inserting_before(anchor.next):
-        flats = [graph.call_function(_aten.reshape.default, (g.collective.args[0], [-1])) for g in bucket]
-        flat = graph.call_function(_aten.cat.default, (flats,))
-        flat.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
-        gathered = graph.call_function(_torch_private.ALL_GATHER, (flat, world, group))
-        gathered.meta["val"] = torch.empty(world * sum(sizes), dtype=dtype, device="meta")
-    with graph.inserting_before(bucket[0].first_use):
-        done = graph.call_function(_torch_private.WAIT_TENSOR, (gathered,))
-        done.meta["val"] = gathered.meta["val"]
-        rows = graph.call_function(_aten.view.default, (done, [world, sum(sizes)]))
-        pieces = graph.call_function(_aten.split_with_sizes.default, (rows, sizes, 1))
-        for k, gather in enumerate(bucket):
-            piece = graph.call_function(operator.getitem, (pieces, k))
-            dense = graph.call_function(_aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-            shaped = graph.call_function(_aten.view.default, (dense, list(gather.output.shape)))
-            shaped.meta["val"] = gather.output
-            gather.wait.replace_all_uses_with(shaped)
-    for gather in bucket:
-        graph.erase_node(gather.wait)
-        graph.erase_node(gather.collective)
-    return done.prev
-
-
-def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
-    """Packs the parameter all-gathers of ``gm`` (FSDP's, stage 2 rule 3) into buckets of at
-    most ``bucket_mb`` gathered, in the order the step first uses them; bucket 0 is issued at
-    the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
-    FSDP2 does). Gathers whose input is not a cast or view of a graph input (an uneven shard's
-    padding) are left as they are. Returns the number of packed collectives."""
-    items = _gathers(gm.graph)
-    buckets: list[list[_Gather]] = []
-    for item in items:
-        current = buckets[-1] if buckets else None
-        if current and current[0].key == item.key and sum(g.nbytes for g in current) + item.nbytes <= bucket_mb * 2**20:
-            current.append(item)
-        else:
-            buckets.append([item])
-    after = _last_placeholder(gm.graph)
-    for bucket in buckets:
-        after = _rewrite_gathers(gm.graph, bucket, after)
-    gm.graph.lint()
-    gm.recompile()
-    return len(buckets)
 
 
 _SMALL = 4096  # elements: the forward's scalars (a token count, a loss sum), never a gradient bucket
@@ -358,11 +246,11 @@ def defer_small_collectives(gm: fx.GraphModule) -> int:
     docstring); returns how many collectives it moved. Run it after the bucketing pass."""
     graph = gm.graph
     moved = 0
-    anchor = _last_placeholder(graph)  # hoisted ops go after it, in order
+    anchor = last_placeholder(graph)  # hoisted ops go after it, in order
     for node in list(graph.nodes):
         if node.target is not _torch_private.ALL_REDUCE or not isinstance(node.args[0], fx.Node):
             continue
-        value = _value(node.args[0])
+        value = meta_value(node.args[0])
         if value is None or value.numel() > _SMALL:
             continue
         cone = _input_cone(node.args[0])
@@ -396,7 +284,7 @@ def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_B
         if node.op == "call_function" and node.target in _COLLECTIVES:
             _hoist_views(node.args[0])
             for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
-                _sink_casts(wait)
+                sink_casts(wait)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     items = _items(gm.graph, order)
     buckets = _buckets(items, int(bucket_mb * 2**20))
