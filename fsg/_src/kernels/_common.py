@@ -4,11 +4,43 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import os
+import types
 
 import torch
-import triton
-import triton.language as tl
+
+
+class _KernelWithoutTriton:
+    """What ``@triton.jit`` makes of a kernel when triton is missing: the module still imports,
+    and a launch (never reached: ``use_triton`` is False) says what is missing."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        raise ModuleNotFoundError(
+            f"the Triton kernel {self.fn.__name__} needs triton, which is not installed: "
+            "pip install triton (or the fsg[triton] extra)"
+        )
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # triton is optional (DESIGN.md section 3): the eager references run
+    logging.getLogger("fsg").info(
+        "fsg: triton is not importable (%s): fused Triton kernels off, each op runs its eager reference math", exc
+    )
+    # Import-time stand-ins, as torch's _inductor/runtime/triton_compat.py has: each module's
+    # `@triton.jit` still defines its kernels; `tl` is only read inside kernels (and in string
+    # annotations), which nothing runs without triton.
+    triton = types.SimpleNamespace(jit=_KernelWithoutTriton)
+    tl = None
+
+HAS_TRITON = tl is not None
+"""Whether triton could be imported; without it ``use_triton`` is always False."""
+
 
 _CPU_INTERPRETER = contextvars.ContextVar("fsg_cpu_interpreter", default=False)
 
@@ -23,8 +55,8 @@ def cpu_interpreter():
 def use_triton(x: torch.Tensor) -> bool:
     """Whether to launch the Triton kernel for ``x``: on CUDA, and on CPU inside
     ``cpu_interpreter()`` under ``TRITON_INTERPRET=1`` (the CPU tests); otherwise the eager
-    reference runs."""
-    return x.is_cuda or (_CPU_INTERPRETER.get() and os.environ.get("TRITON_INTERPRET") == "1")
+    reference runs (always, without triton)."""
+    return HAS_TRITON and (x.is_cuda or (_CPU_INTERPRETER.get() and os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 @triton.jit

@@ -18,10 +18,8 @@ recompile or a host sync.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from fsg._src.kernels._common import graph_safe_launch, use_triton
+from fsg._src.kernels._common import HAS_TRITON, graph_safe_launch, tl, triton, use_triton
 
 # Elements per program and warps: the best of the sweep in benchmarks/kernels.py on an H200
 # (512/4: 98% of copy bandwidth; 1024/4: 82%; 4096/16: 76%).
@@ -89,7 +87,8 @@ def _adamw_tensor_kernel(
     _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# The kernels' element types (none without triton, when no kernel is launched).
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
 
 def _upload(values, dtype, device) -> torch.Tensor:

@@ -17,10 +17,8 @@ the count of the other rows, computed on the device (no ``.item()``). A target o
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from fsg._src.kernels._common import fused_ops_enabled, use_triton
+from fsg._src.kernels._common import fused_ops_enabled, tl, triton, use_triton
 
 BLOCK_V = 4096  # vocabulary columns per iteration of a row's loop
 

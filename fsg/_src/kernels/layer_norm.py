@@ -9,10 +9,8 @@ dw and of db per program, which one torch reduction each sums.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from fsg._src.kernels._common import RowTiling, fused_ops_enabled, row_tile, use_triton
+from fsg._src.kernels._common import RowTiling, fused_ops_enabled, row_tile, tl, triton, use_triton
 
 
 @triton.jit
