@@ -8,6 +8,9 @@ from pathlib import Path
 # torch or fsg before this line (hence no fsg warning filter in pyproject.toml: see below).
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every stage-3 graph pass is checked for its invariants (fsg/_src/passes/invariants.py), here
+# and in the ranks the distributed tests start (they inherit the environment).
+os.environ.setdefault("FSG_CHECK_PASSES", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

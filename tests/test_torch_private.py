@@ -104,3 +104,31 @@ def test_register_sharding_takes_an_op():
     import inspect
 
     assert list(inspect.signature(_torch_private.register_sharding).parameters) == ["op"]
+
+
+def test_mutated_args_reads_the_schemas_write_annotations():
+    """Used by fsg/_src/passes/facts.py: ``Tensor(a!)`` arguments, lists of them, ``out=``."""
+    assert _torch_private.mutated_args(torch.ops.aten.copy_.default) == {0}
+    assert _torch_private.mutated_args(torch.ops.aten.add.out) == {3}  # the keyword-only out
+    assert _torch_private.mutated_args(torch.ops.fsg.fused_adamw_.default) == {0, 2, 3}  # Tensor(a!)[]
+    assert _torch_private.mutated_args(torch.ops.aten._foreach_add_.Scalar) == {0}
+    assert not _torch_private.mutated_args(torch.ops.aten.view.default)
+    assert not _torch_private.mutated_args(_torch_private.WAIT_TENSOR)
+    assert not _torch_private.mutated_args("output")
+
+
+def test_aliased_args_finds_views_and_returned_writes():
+    assert _torch_private.aliased_args(torch.ops.aten.view.default) == {0}
+    assert _torch_private.aliased_args(torch.ops.aten.t.default) == {0}
+    assert _torch_private.aliased_args(torch.ops.aten.split_with_sizes.default) == {0}  # Tensor(a -> *)
+    assert _torch_private.aliased_args(torch.ops.aten.copy_.default) == {0}  # returns its self
+    assert _torch_private.aliased_args(torch.ops.aten.add.out) == {3}
+    for op in (torch.ops.aten.mul.Tensor, torch.ops.aten._to_copy.default, _torch_private.ALL_REDUCE):
+        assert not _torch_private.aliased_args(op)
+    assert not _torch_private.aliased_args(torch.ops.fsg.fused_adamw_.default)  # returns nothing
+    assert not _torch_private.aliased_args(len)
+
+
+def test_arg_names_are_the_schemas():
+    assert _torch_private.arg_names(torch.ops.aten.add.out) == ("self", "other", "alpha", "out")
+    assert _torch_private.arg_names(len) == ()

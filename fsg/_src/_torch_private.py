@@ -7,6 +7,7 @@ fails one test, not the whole library.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -26,10 +27,13 @@ __all__ = [
     "REDUCE_SCATTER",
     "TorchDispatchMode",
     "WAIT_TENSOR",
+    "aliased_args",
+    "arg_names",
     "fake_mode",
     "inductor_compile",
     "is_collective",
     "is_pure_op",
+    "mutated_args",
     "register_sharding",
     "trace_fake",
 ]
@@ -68,6 +72,46 @@ def is_collective(target: Any) -> bool:
 def is_pure_op(target: Any) -> bool:
     """Whether an FX node target is an aten-style op whose schema mutates none of its inputs."""
     return isinstance(target, OpOverload) and not target._schema.is_mutable
+
+
+# Mutation and aliasing from an op's schema (``Tensor(a!) self`` is written, ``Tensor(a) self ->
+# Tensor(a)`` is a view; ``Tensor(a -> *) self -> Tensor(a)[]`` a list of views, split's). Python
+# targets (``operator.getitem``) and higher-order ops have no schema: no facts.
+
+
+@functools.cache
+def arg_names(target: Any) -> tuple[str, ...]:
+    """The names of an op's schema arguments, in order (``()`` for a target that is not an
+    ``OpOverload``), to place a node's keyword arguments."""
+    if not isinstance(target, OpOverload):
+        return ()
+    return tuple(a.name for a in target._schema.arguments)
+
+
+@functools.cache
+def mutated_args(target: Any) -> frozenset[int]:
+    """The indices of the schema arguments an op writes in place (``Tensor(a!)``, and lists of
+    them: ``Tensor(a!)[]``); empty for a functional op or a non-``OpOverload`` target."""
+    if not isinstance(target, OpOverload):
+        return frozenset()
+    arguments = target._schema.arguments
+    return frozenset(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+@functools.cache
+def aliased_args(target: Any) -> frozenset[int]:
+    """The indices of the schema arguments whose storage an op's result shares: a view's input
+    (``Tensor(a) self -> Tensor(a)``, or ``Tensor(a -> *)`` for a list of views), an in-place or
+    ``out=`` op's written argument that it returns. Empty when the result is a new tensor."""
+    if not isinstance(target, OpOverload):
+        return frozenset()
+    schema = target._schema
+    returned = set().union(*(r.alias_info.before_set for r in schema.returns if r.alias_info is not None))
+    return frozenset(
+        i
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and (a.alias_info.before_set & returned or "*" in a.alias_info.after_set)
+    )
 
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False) -> torch.fx.GraphModule:

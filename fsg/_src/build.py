@@ -20,6 +20,7 @@ from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
+from fsg._src.passes import run_pass
 from fsg._src.precision import Policy
 
 log = logging.getLogger("fsg")
@@ -66,20 +67,21 @@ class Builder:
         build = self._local if self._mesh is None else self._mesh_build
         fuse = self.fuse_optimizer(state)
         built = build(state, batch, fusion.stand_in(self._optimizer) if fuse else self._optimizer, fuse)
+        # stage 3; run_pass checks each pass's invariants under FSG_CHECK_PASSES=1
         if fuse:
             try:
-                fusion.fuse_adamw(built.graph, state, self._optimizer)
-                markers.strip(built.graph)
+                run_pass("fuse_adamw", fusion.fuse_adamw, built.graph, state, self._optimizer)
+                run_pass("strip_markers", markers.strip, built.graph)
             except UnsupportedError:
                 if self._fused_optimizer:  # asked for; by default the traced math runs
                     raise
                 built, fuse = build(state, batch, self._optimizer, False), False
-        if self._mesh is not None and self._bucket_mb:  # stage 3: bucket and place the collectives
-            prefetch.bucket_parameter_gathers(built.graph, self._bucket_mb)
-            overlap.bucket_gradient_collectives(built.graph, self._bucket_mb)
+        if self._mesh is not None and self._bucket_mb:  # bucket and place the collectives
+            run_pass("bucket_parameter_gathers", prefetch.bucket_parameter_gathers, built.graph, self._bucket_mb)
+            run_pass("bucket_gradient_collectives", overlap.bucket_gradient_collectives, built.graph, self._bucket_mb)
             if fuse:  # update each bucket's params as soon as its reduction lands
-                fusion.update_on_arrival(built.graph)
-            overlap.defer_small_collectives(built.graph)
+                run_pass("update_on_arrival", fusion.update_on_arrival, built.graph)
+            run_pass("defer_small_collectives", overlap.defer_small_collectives, built.graph)
         return built
 
     def _local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:

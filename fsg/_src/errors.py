@@ -69,3 +69,8 @@ class ShardingFallbackWarning(UserWarning):
 
 class CudaGraphWarning(UserWarning):
     """The compiled step could not be captured as a CUDA graph and runs without replay."""
+
+
+class PassInvariantError(FsgError):
+    """A stage-3 graph pass broke an invariant of the step's graph (the order of a storage's
+    reads and writes, a collective's wait, the outputs): a bug in fsg, not in the user's code."""
