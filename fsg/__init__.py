@@ -20,6 +20,7 @@ from fsg._src.errors import ShardingFallbackWarning as ShardingFallbackWarning
 from fsg._src.errors import ShardingRuleError as ShardingRuleError
 from fsg._src.errors import StructureMismatchError as StructureMismatchError
 from fsg._src.errors import UnsupportedError as UnsupportedError
+from fsg._src.errors import VerificationError as VerificationError
 from fsg._src.functional import apply as apply
 from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
@@ -58,6 +59,7 @@ __all__ = [
     "RecompileWarning",
     "Step",
     "StructureMismatchError",
+    "VerificationError",
     "TrainState",
     "UnsupportedError",
     "apply",

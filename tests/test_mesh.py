@@ -41,6 +41,39 @@ def test_spec_validation_names_the_leaf_and_rule(spec, shape, match):
         fsg.Mesh({"dp": 1, "tp": 1}).validate(spec, shape, "params['w']")
 
 
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (fsg.P("mp", None), r"P\('mp', None\) for params\['0.weight'\] names axis 'mp'"),
+        (fsg.P(None, None, "dp"), r"has 3 entries but params\['0.weight'\] has 2 dims"),
+        (fsg.P("dp", "dp"), r"P\('dp', 'dp'\) for params\['0.weight'\] uses axis 'dp' twice"),
+    ],
+)
+def test_a_step_on_a_mesh_of_size_one_checks_the_specs_it_would_use_on_a_cluster(spec, match):
+    """The mistake surfaces on the laptop, at init, not on the cluster."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    step = fsg.compile_step(
+        lambda p, b: fsg.apply(model, p, b["x"]).sum(), fsg.Mesh({"dp": 1}), optimizer=fsg.optim.sgd(0.1),
+        param_sharding=fsg.sharding.rules([(r"0\.weight", spec)]), backend="eager",
+    )  # fmt: skip
+    with pytest.raises(fsg.MeshError, match=match):
+        step.init(fsg.params(model))
+
+
+def test_a_batch_spec_on_a_mesh_of_size_one_is_checked_at_the_first_step():
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    step = fsg.compile_step(
+        lambda p, b: fsg.apply(model, p, b["x"]).sum(), fsg.Mesh({"dp": 1}), optimizer=fsg.optim.sgd(0.1),
+        batch_sharding=fsg.P("data"), backend="eager",
+    )  # fmt: skip
+    with pytest.raises(fsg.MeshError, match=r"P\('data'\) for batch\['x'\] names axis 'data'"):
+        step(step.init(fsg.params(model)), {"x": torch.ones(2, 4)})
+
+
 def test_placements_follow_mesh_axes():
     from torch.distributed.tensor import Replicate, Shard
 

@@ -9,7 +9,7 @@ def test_fsg_public_names():
     assert sorted(fsg.__all__) == sorted([
         "BatchError", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "FsgError", "Mesh", "MeshError", "P", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError",
         "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
-        "TrainState", "UnsupportedError", "apply", "buffers", "compile_step", "nn", "optim", "params",
+        "TrainState", "UnsupportedError", "VerificationError", "apply", "buffers", "compile_step", "nn", "optim", "params",
     ])  # fmt: skip
     for name in fsg.__all__:
         assert getattr(fsg, name) is not None
@@ -34,7 +34,7 @@ def test_nn_public_names():
 
 def test_errors_are_fsg_errors():
     for name in ["HostSyncError", "ImpureLossError", "LossNotScalarError", "NonTensorLeafError",
-                 "RecompileError", "StructureMismatchError", "UnsupportedError"]:  # fmt: skip
+                 "RecompileError", "StructureMismatchError", "UnsupportedError", "VerificationError"]:  # fmt: skip
         assert issubclass(getattr(fsg, name), fsg.FsgError)
 
 
@@ -47,6 +47,7 @@ def test_sharding_testing_distributed_names():
         ["Rules", "data_parallel", "fsdp", "fsdp_tensor_parallel", "rules", "tensor_parallel"]
     )
     assert sorted(fsg.testing.__all__) == sorted(
-        ["MultiRank", "RankError", "assert_sharded_matches_unsharded", "mesh", "mesh_strategy", "spec_strategy"]
-    )
+        ["MultiRank", "RankError", "assert_sharded_matches_unsharded", "mesh", "mesh_strategy", "spec_strategy",
+         "verify_step"]
+    )  # fmt: skip
     assert sorted(fsg.distributed.__all__) == ["ProcessInfo", "initialize", "shutdown"]

@@ -11,8 +11,10 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -28,7 +30,10 @@ __all__ = [
     "TorchDispatchMode",
     "WAIT_TENSOR",
     "aliased_args",
+    "all_decompositions",
     "arg_names",
+    "core_decompositions",
+    "dtensor_has_rule",
     "fake_mode",
     "inductor_compile",
     "is_collective",
@@ -74,6 +79,25 @@ def is_pure_op(target: Any) -> bool:
     return isinstance(target, OpOverload) and not target._schema.is_mutable
 
 
+def dtensor_has_rule(op: Any) -> bool:
+    """Whether DTensor has a *registered* sharding rule for ``op`` (a strategy function, a
+    single-dim strategy or a propagation rule), as opposed to one it would derive from the
+    op's decomposition at run time (torch 2.13+), which sizes from the local shard."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(op in getattr(propagator, name, {}) for name in tables)
+
+
+def core_decompositions() -> dict[Any, Callable[..., Any]]:
+    """torch's decompositions to the core ATen op set (what ``torch.export`` lowers to)."""
+    return core_aten_decompositions()
+
+
+def all_decompositions() -> dict[Any, Callable[..., Any]]:
+    """Every registered Python decomposition (``torch._decomp.decomposition_table``)."""
+    return dict(decomposition_table)
+
+
 # Mutation and aliasing from an op's schema (``Tensor(a!) self`` is written, ``Tensor(a) self ->
 # Tensor(a)`` is a view; ``Tensor(a -> *) self -> Tensor(a)[]`` a list of views, split's). Python
 # targets (``operator.getitem``) and higher-order ops have no schema: no facts.
@@ -114,15 +138,29 @@ def aliased_args(target: Any) -> frozenset[int]:
     )
 
 
-def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False) -> torch.fx.GraphModule:
+def trace_fake(
+    fn: Callable[..., Any],
+    *args: torch.Tensor,
+    source_lines: bool = False,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
+) -> torch.fx.GraphModule:
     """Traces ``fn(*args)`` to an aten FX graph on fake tensors.
+
+    ``decompositions`` maps ops to Python functions run in their place while tracing (the
+    graph records what they call).
 
     Real tensors that ``fn`` closes over (a module's own buffers, say) are allowed and become
     constants of the graph (``_allow_non_fake_inputs``). ``source_lines`` records each node's
     Python stack in ``node.meta["stack_trace"]`` (for error messages that name the user's
     line); it costs about a fifth of the trace.
     """
-    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, record_stack_traces=source_lines)(*args)
+    return make_fx(
+        fn,
+        decomposition_table=decompositions,
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+        record_stack_traces=source_lines,
+    )(*args)
 
 
 def fake_mode() -> FakeTensorMode:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, fusion, markers, overlap, placement, prefetch, purity, spmd, tree
+from fsg._src import _torch_private, fusion, markers, op_support, overlap, placement, prefetch, purity, spmd, tree
 from fsg._src import trace as trace_lib
 from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
@@ -127,6 +127,7 @@ class Builder:
                 mark_uses=True,
                 mark_grads=True,
                 source_lines=True,  # stage 2's errors name the user's line
+                decompositions=op_support.mesh_decompositions(),  # only ops with verified rules reach stage 2
             )
         n_global = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)

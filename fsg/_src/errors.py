@@ -74,3 +74,8 @@ class CudaGraphWarning(UserWarning):
 class PassInvariantError(FsgError):
     """A stage-3 graph pass broke an invariant of the step's graph (the order of a storage's
     reads and writes, a collective's wait, the outputs): a bug in fsg, not in the user's code."""
+
+
+class VerificationError(FsgError):
+    """``compile_step(..., verify=True)`` (or ``fsg.testing.verify_step``) found the sharded
+    step computing something other than the unsharded step."""

@@ -37,6 +37,14 @@ def distribute_params(params: Any, mesh: Mesh, rules: Rules | None) -> Any:
     return tree.unflatten(treedef, placed)
 
 
+def check_param_specs(params: Any, mesh: Mesh, rules: Rules | None) -> None:
+    """Validates each parameter's spec on ``mesh`` (any size) without placing anything."""
+    rules = rules or data_parallel()
+    leaves, _ = tree.flatten(params)
+    for name, path, leaf in zip(param_names(params), tree.leaf_paths(params, "params"), leaves):
+        mesh.validate(rules.spec_for(name, tuple(leaf.shape), mesh), tuple(leaf.shape), path)
+
+
 def replicate_rest(tree_: Any, mesh: Mesh) -> Any:
     """Makes every plain-tensor leaf of ``tree_`` a replicated DTensor."""
     replicate = [Replicate()] * len(mesh.shape)

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from fsg._src import _torch_private, markers, purity, tree
+from fsg._src import _torch_private, markers, op_support, purity, tree
 from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
@@ -70,6 +70,30 @@ def _redistribute(x: Any, mesh: Mesh, placements: tuple[Placement, ...]) -> Any:
     return x.redistribute(mesh.device_mesh, placements)
 
 
+def _has_rule(target: Any) -> bool:
+    """Whether DTensor may run ``target``: an op with a registered rule (or no op at all)."""
+    return not isinstance(target, _torch_private.OpOverload) or _torch_private.dtensor_has_rule(target)
+
+
+def _gather_dim(x: DTensor, mesh: Mesh, dim: int) -> DTensor:
+    """``x`` with tensor dim ``dim`` whole on every rank (other placements kept)."""
+    dim = dim % max(x.dim(), 1)
+    placements = tuple(Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in x.placements)
+    return _redistribute(x, mesh, placements)
+
+
+def _plain_containers(value: Any) -> Any:
+    """``value`` with FX's ``immutable_list``/``immutable_dict`` as plain lists and dicts, which
+    pytrees see into (a plain tensor inside ``cat``'s list must be found and replicated)."""
+    if isinstance(value, tuple):
+        return tuple(_plain_containers(v) for v in value)
+    if isinstance(value, list):
+        return [_plain_containers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain_containers(v) for k, v in value.items()}
+    return value
+
+
 def _is_plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
@@ -110,6 +134,7 @@ class _Expander(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         mesh = self.plan.mesh
+        args, kwargs = _plain_containers((args, kwargs))
         if target is markers.PARAM_USE:  # rule 3: gather over data axes where the loss reads it
             return _redistribute(args[0], mesh, self.plan.compute_placements(args[1]))
         if target is markers.GRAD:  # rule 2: the gradient takes its parameter's placement
@@ -125,14 +150,20 @@ class _Expander(fx.Interpreter):
         if target is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             # Donation writes the new value into the old leaf: same placement (rule 1).
             args = (args[0], _redistribute(args[1], mesh, tuple(args[0].placements)), *args[2:])
+        if target in op_support.SCANS and isinstance(args[0], DTensor):
+            args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
         leaves, _ = tree.flatten((args, kwargs))
+        if any(isinstance(a, DTensor) for a in leaves) and not _has_rule(target):
+            # rule 4: never DTensor's run-time derivation from the op's decomposition, which
+            # sizes means and counts from the local shard (see op_support)
+            raise self._no_rule(target, None, (args, kwargs))
         if any(isinstance(a, DTensor) for a in leaves) and any(_is_plain(a) for a in leaves):
             # Tensors made inside the step (masks, aranges) are the same on every rank.
             args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
             return super().call_function(target, args, kwargs)
         except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
-            raise self._no_rule(target, exc) from exc
+            raise self._no_rule(target, exc, (args, kwargs)) from exc
         except RuntimeError as exc:
             # DTensor has rules for the op but could not apply them to these placements (some
             # torch releases refuse, e.g., to flatten a sharded dim). Gather the inputs and run
@@ -168,13 +199,15 @@ class _Expander(fx.Interpreter):
         replicate = tuple(Replicate() for _ in self.plan.mesh.shape)
         return tree.tree_map(lambda a: _redistribute(a, self.plan.mesh, replicate), args_kwargs)
 
-    def _no_rule(self, target, exc: Exception) -> ShardingRuleError:
+    def _no_rule(self, target, exc: Exception | None, args_kwargs: Any) -> ShardingRuleError:
         where = purity.user_frame_of_node(self._node) if self._node is not None else "(source line unknown)"
+        why = "no verified sharding rule" if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return ShardingRuleError(
             f"the sharded step needs op {target} at {where}, which has no sharding rule for "
-            f"its inputs' placements ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
-            f"Change the spec of the parameters feeding it (replicate them over that axis), or "
-            f"shard the batch only (fsg.sharding.data_parallel()).",
+            f"its inputs' placements ({op_support.placements_text(args_kwargs)}; {why}). "
+            f"Write that computation with other ops, change the spec of the parameters feeding "
+            f"it (replicate them over that axis), or shard the batch only "
+            f"(fsg.sharding.data_parallel()). docs/sharding.md lists the ops verified on a mesh.",
             op=target,
         )
 

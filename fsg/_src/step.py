@@ -19,6 +19,7 @@ import torch
 from fsg._src import backend as backend_lib
 from fsg._src import cudagraph, overlap, placement, tree
 from fsg._src import trace as trace_lib
+from fsg._src import verify as verify_lib
 from fsg._src.build import Builder, Built
 from fsg._src.errors import (
     RecompileError,
@@ -58,14 +59,24 @@ class Step:
         fused_optimizer: bool | None = None,
         cuda_graph: bool | None = None,
         bucket_mb: float | None = overlap.DEFAULT_BUCKET_MB,
+        verify: bool = False,
     ):
         backend_lib.check_backend(backend)
+        # what variant() rebuilds the step from
+        self._config = dict(
+            loss_fn=loss_fn, optimizer=optimizer, backend=backend, donate=donate, strict=strict, mesh=mesh,
+            param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
+            accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph, bucket_mb=bucket_mb,
+        )  # fmt: skip
+        self._declared_mesh = mesh  # specs are checked against it even when it spans one device
         self._cuda_graph = cuda_graph
         self._precision = check_policy(precision or Policy())
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
         if batch_sharding is None:
             batch_sharding = P("dp") if mesh is not None and "dp" in mesh.axis_names else P()
+        self._batch_sharding = batch_sharding
+        self._verify_pending = verify and self._mesh is not None
         self._optimizer = optimizer
         self._builder = Builder(
             loss_fn,
@@ -86,6 +97,24 @@ class Step:
         self._last_signature: Signature | None = None
         self._last_state_leaves: list[torch.Tensor] = []
         self._last_state_specs: tuple[tree.LeafSpec, ...] = ()
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh the step is sharded over (``None`` on one device, or a mesh of size 1)."""
+        return self._mesh
+
+    @property
+    def precision(self) -> Policy:
+        """The step's ``fsg.Policy``."""
+        return self._precision
+
+    def variant(self, **changes: Any) -> Step:
+        """A new, uncompiled step with the same arguments but ``changes``, for checks that
+        run a step another way (``fsg.testing.verify_step`` runs it unsharded, in float64,
+        without a fused optimizer or CUDA-graph replay)."""
+        config = {**self._config, "backend": "eager", "donate": False, "strict": False}
+        config.update(fused_optimizer=False, cuda_graph=False, **changes)
+        return Step(**config)
 
     @property
     def num_compiles(self) -> int:
@@ -115,6 +144,8 @@ class Step:
         tree.check_tensor_leaves(buffers, "buffers")
         if self._mesh is not None:
             params = placement.distribute_params(params, self._mesh, self._param_sharding)
+        elif self._declared_mesh is not None:  # one device: the specs are checked all the same
+            placement.check_param_specs(params, self._declared_mesh, self._param_sharding)
         device = device_of(params)
         state = TrainState(
             step=torch.zeros((), dtype=torch.int64, device=device),
@@ -176,6 +207,11 @@ class Step:
                     message.replace("tracing and compiling it again", "strict=True forbids a recompile")
                 )
             warnings.warn(message, RecompileWarning, stacklevel=3)
+        if self._mesh is None and self._declared_mesh is not None:  # checked on a mesh by stage 2
+            batch_leaves = tree.flatten(batch)[0]
+            placement.batch_placements(
+                batch_leaves, tree.leaf_paths(batch, "batch"), self._batch_sharding, self._declared_mesh
+            )
         built = self._builder.build(state, batch)
         fn = backend_lib.compile_graph(built.graph, self._backend)
         if self._graph_replay(state, batch):
@@ -197,6 +233,9 @@ class Step:
           ``(new_state, metrics)``; metrics are 0-d tensors on the state's device (no host
           sync): ``loss``, ``grad_norm``, ``lr`` and the aux outputs of ``loss_fn``.
         """
+        if self._verify_pending:
+            self._verify_pending = False
+            return verify_lib.verify_step(self, state, batch)
         signature, state_leaves, batch_leaves = self._signature(state, batch)
         compiled = self._cache.get(signature)
         if compiled is None:
@@ -249,6 +288,7 @@ def compile_step(
     fused_optimizer: bool | None = None,
     cuda_graph: bool | None = None,
     bucket_mb: float | None = 25.0,
+    verify: bool = False,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -296,6 +336,10 @@ def compile_step(
         ``bucket_cap_mb``); FSDP's parameter all-gathers are packed the same way and each
         bucket is gathered while the previous one's layers compute. ``None`` or 0: one
         collective per tensor, where stage 2 placed it.
+      verify: on a mesh, check the first step against the unsharded step before running it
+        (``fsg.testing.verify_step``: both in float64, every metric and state leaf compared)
+        and raise ``fsg.VerificationError`` naming the first leaf that differs. Costs two
+        extra traces at the first call; nothing after.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -326,4 +370,5 @@ def compile_step(
         fused_optimizer=fused_optimizer,
         cuda_graph=cuda_graph,
         bucket_mb=bucket_mb,
+        verify=verify,
     )

@@ -164,6 +164,7 @@ def trace(
     mark_uses: bool = False,
     mark_grads: bool = False,
     source_lines: bool = False,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
 
@@ -171,6 +172,7 @@ def trace(
     stage 2 needs both, the fusion pass the gradients'; whoever asks for them strips them
     (``markers.strip``) when done. Tracing them costs ~3 ms each, so one device skips them.
     ``source_lines`` records each node's user stack (stage 2 names the line in its errors).
+    ``decompositions`` lowers ops while tracing (on a mesh: ``op_support.mesh_decompositions``).
     """
     check_accumulation(batch, accum_steps)
     state_leaves, state_def = tree.flatten(state)
@@ -209,7 +211,9 @@ def trace(
         return purity.diagnose(loss_fn, state.params, batch, state.buffers)
 
     try:
-        gm = _torch_private.trace_fake(flat_step, *state_leaves, *batch_leaves, source_lines=source_lines)
+        gm = _torch_private.trace_fake(
+            flat_step, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions
+        )
     except FsgError:
         raise
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
