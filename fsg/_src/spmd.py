@@ -150,6 +150,10 @@ class _Expander(fx.Interpreter):
         if target is torch.ops.aten.copy_.default and isinstance(args[0], DTensor):
             # Donation writes the new value into the old leaf: same placement (rule 1).
             args = (args[0], _redistribute(args[1], mesh, tuple(args[0].placements)), *args[2:])
+        full = op_support.full_reduction(target, args, kwargs)
+        if full is not None and isinstance(args[0], DTensor):
+            target, args, kwargs = full
+        args = op_support.non_negative_stack_dim(target, args)
         if target in op_support.SCANS and isinstance(args[0], DTensor):
             args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
         leaves, _ = tree.flatten((args, kwargs))
@@ -174,7 +178,8 @@ class _Expander(fx.Interpreter):
             try:
                 result = super().call_function(target, *replicated)
             except Exception:
-                raise exc from None
+                # DTensor refuses these placements and the op fails replicated too
+                raise self._no_rule(target, exc, (args, kwargs)) from exc
             where = purity.user_frame_of_node(self._node) if self._node is not None else "(unknown)"
             warnings.warn(
                 f"fsg: op {target} at {where} could not run on its inputs' placements "

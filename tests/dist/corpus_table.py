@@ -16,21 +16,36 @@ COLUMNS = ("dp", "fsdp", "tp")
 MATCH = "✓"
 
 
+def short(outcome: str) -> str:
+    """An outcome as the table writes it: ``✓`` or the error's class."""
+    return MATCH if outcome == "match" else outcome.removeprefix("error: ")
+
+
 def _cell(outcomes: dict[int, str]) -> str:
     """One preset's outcomes on 2 and 4 ranks as a table cell."""
-    short = {world: MATCH if o == "match" else o.removeprefix("error: ") for world, o in outcomes.items()}
-    if len(set(short.values())) == 1:
-        return next(iter(short.values()))
-    return ", ".join(f"{world} ranks: {text}" for world, text in sorted(short.items()))
+    texts = {world: short(o) for world, o in outcomes.items()}
+    if len(set(texts.values())) == 1:
+        return next(iter(texts.values()))
+    return ", ".join(f"{world} ranks: {text}" for world, text in sorted(texts.items()))
+
+
+def expected(cell: str | None, world: int) -> str | None:
+    """What a table cell says for ``world`` ranks."""
+    if cell is None or "ranks: " not in cell:
+        return cell
+    per_world = dict(part.split(" ranks: ") for part in cell.split(", "))
+    return per_world.get(str(world))
 
 
 def merge(results: dict[int, dict[str, dict[str, str]]]) -> dict[str, dict[str, str]]:
-    """``{world: {case: {preset: outcome}}}`` -> ``{case: {preset: cell}}``."""
-    names = next(iter(results.values()))
-    return {
-        name: {preset: _cell({w: results[w][name][preset] for w in results}) for preset in names[name]}
-        for name in names
-    }
+    """``{world: {case: {preset: outcome}}}`` -> ``{case: {preset: cell}}`` (a case may have
+    run on some of the worlds only)."""
+    table = {}
+    for name in {n for by_case in results.values() for n in by_case}:
+        runs = {w: by_case[name] for w, by_case in results.items() if name in by_case}
+        presets = next(iter(runs.values()))
+        table[name] = {p: _cell({w: by_preset[p] for w, by_preset in runs.items()}) for p in presets}
+    return table
 
 
 def _escape(text: str) -> str:

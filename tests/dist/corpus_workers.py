@@ -83,12 +83,8 @@ def unsharded(case: op_corpus.Case, sizes: op_corpus.Sizes):
     return dict(state.params), metrics["loss"]
 
 
-def run_corpus(sizes_by_case: dict[str, tuple]) -> dict[str, dict[str, str]]:
-    """The cases named in ``sizes_by_case``, under each of their presets:
-    ``{case: {preset: outcome}}``."""
-    out = {}
-    for name, case_sizes in sizes_by_case.items():
-        case, sizes = op_corpus.by_name(name), op_corpus.Sizes(*case_sizes)
-        reference = unsharded(case, sizes)
-        out[case.name] = {preset: run_case(case, sizes, preset, reference) for preset in presets_of(case)}
-    return out
+def run_case_presets(name: str, case_sizes: tuple) -> dict[str, str]:
+    """One case of the corpus under each of its presets: ``{preset: outcome}``."""
+    case, sizes = op_corpus.by_name(name), op_corpus.Sizes(*case_sizes)
+    reference = unsharded(case, sizes)
+    return {preset: run_case(case, sizes, preset, reference) for preset in presets_of(case)}

@@ -94,7 +94,11 @@ def test_column_row_tensor_parallel_mlp_all_reduces_once_forward_once_backward(r
     "case, error, match",
     [
         ("unknown_axis", "MeshError", r"P\('mp', None\) for params\['0.weight'\] names axis 'mp'"),
-        ("no_rule", "ShardingRuleError", r"aten._pdist_forward.default at File .*workers.py.*pdist\(out\).*\(16, 4\) \[Shard\(dim=0\)\]"),
+        (
+            "no_rule",
+            "ShardingRuleError",
+            r"aten._pdist_forward.default at File .*workers.py.*pdist\(out\).*\(16, 4\) \[Shard\(0\)\]",
+        ),
     ],
 )
 def test_bad_specs_and_ops_get_clear_errors(ranks, case, error, match):

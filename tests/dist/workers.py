@@ -117,9 +117,7 @@ def check_gpt_fused_loss(axes: dict, preset: str) -> int:
 def inductor_options(axes: dict | None) -> object:
     """The Inductor options stage 4 will compile a step with, on a mesh and on one device."""
     model = mlp()
-    step = fsg.compile_step(
-        mse_loss_fn(model), fsg.testing.mesh(axes) if axes else None, optimizer=fsg.optim.sgd(0.1)
-    )
+    step = fsg.compile_step(mse_loss_fn(model), fsg.testing.mesh(axes) if axes else None, optimizer=fsg.optim.sgd(0.1))
     state = step.init(fsg.params(model))
     batch = regression_batch(n=16)
     signature = step._signature(state, batch)[0]
