@@ -168,7 +168,7 @@ class _Expander(fx.Interpreter):
             return super().call_function(target, args, kwargs)
         except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
             raise self._no_rule(target, exc, (args, kwargs)) from exc
-        except RuntimeError as exc:
+        except (RuntimeError, IndexError, KeyError) as exc:
             # DTensor has rules for the op but could not apply them to these placements (some
             # torch releases refuse, e.g., to flatten a sharded dim). Gather the inputs and run
             # it replicated: correct, at the price of the gathers, and said in a warning.
