@@ -25,13 +25,11 @@ def param_names(params: Any) -> list[str]:
 def distribute_params(params: Any, mesh: Mesh, rules: Rules | None) -> Any:
     """Each parameter as a DTensor with the placements its rule gives (validated first)."""
     rules = rules or data_parallel()
+    check_param_specs(params, mesh, rules)  # every spec, before any collective
     leaves, treedef = tree.flatten(params)
-    names = param_names(params)
-    paths = tree.leaf_paths(params, "params")
     placed = []
-    for name, path, leaf in zip(names, paths, leaves):
+    for name, leaf in zip(param_names(params), leaves):
         spec = rules.spec_for(name, tuple(leaf.shape), mesh)
-        mesh.validate(spec, tuple(leaf.shape), path)
         # distribute_tensor takes rank 0's values, so all ranks start from the same params.
         placed.append(distribute_tensor(leaf.detach(), mesh.device_mesh, mesh.placements(spec)))
     return tree.unflatten(treedef, placed)
