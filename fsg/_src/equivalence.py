@@ -29,7 +29,7 @@ def assert_sharded_matches_unsharded(
     batch_sharding: P | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
-    backend: str = "aot_eager",
+    backend: str = "eager",
     **step_options: Any,
 ) -> None:
     """Runs the step sharded on ``mesh`` and unsharded, batch by batch, and asserts that the
@@ -37,6 +37,9 @@ def assert_sharded_matches_unsharded(
 
     Call it on every rank (e.g. under ``torchrun`` or ``fsg.testing.MultiRank``).
     ``step_options`` (``precision=``, ``accum_steps=``) go to both ``compile_step`` calls.
+    Sharding is decided in stages 1-3, so both steps run their graphs uncompiled by default
+    (``backend="eager"``, the fastest to build); pass ``backend="inductor"`` to check the
+    compiled steps too.
 
     Raises:
       AssertionError naming the step, the leaf path and the largest difference.

@@ -87,7 +87,7 @@ def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = Non
     )  # fmt: skip
     step = fsg.compile_step(
         gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
-        param_sharding=rules, batch_sharding=batch_spec, backend="aot_eager", fused_optimizer=fused_optimizer,
+        param_sharding=rules, batch_sharding=batch_spec, backend="eager", fused_optimizer=fused_optimizer,
     )  # fmt: skip
     return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.fused_adamw_")
 
@@ -109,7 +109,7 @@ def check_gpt_fused_loss(axes: dict, preset: str) -> int:
     )  # fmt: skip
     step = fsg.compile_step(
         loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
-        batch_sharding=batch_spec, backend="aot_eager",
+        batch_sharding=batch_spec, backend="eager",
     )  # fmt: skip
     return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).as_text().count("fsg.linear_cross_entropy_sum")
 
@@ -143,7 +143,7 @@ def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=N
         batch_spec = fsg.P("dp")
     step = fsg.compile_step(
         mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules,
-        batch_sharding=batch_spec, backend="aot_eager", bucket_mb=bucket_mb,
+        batch_sharding=batch_spec, backend="eager", bucket_mb=bucket_mb,
     )  # fmt: skip
     state = step.init(fsg.params(model))
     table = [tuple(c) for c in step.lower(state, batch).collectives()]
@@ -166,7 +166,7 @@ def expect_error(axes: dict, case: str) -> str:
         return torch.nn.functional.pdist(out).mean()  # no DTensor rule and no decomposition for pdist
 
     loss_fn = no_rule_loss if case == "no_rule" else mse_loss_fn(model)
-    step = fsg.compile_step(loss_fn, mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules, backend="aot_eager")
+    step = fsg.compile_step(loss_fn, mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules, backend="eager")
     try:
         state = step.init(fsg.params(model))
         step(state, regression_batch(n=16))
@@ -189,7 +189,7 @@ def _ckpt_step(axes: dict | None, preset: str):
     batch_spec = fsg.P("dp") if axes and "dp" in axes else fsg.P()
     step = fsg.compile_step(
         mse_loss_fn(model), mesh, optimizer=fsg.optim.adamw(1e-2), param_sharding=rules if mesh else None,
-        batch_sharding=batch_spec, backend="aot_eager",
+        batch_sharding=batch_spec, backend="eager",
     )  # fmt: skip
     return step, model
 
@@ -291,7 +291,7 @@ def fsdp_gather_bytes(axes: dict, compute: str) -> tuple[int, int]:
     policy = fsg.Policy(param=torch.float32, compute=getattr(torch, compute))
     step = fsg.compile_step(
         mse_loss_fn(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
-        param_sharding=fsg.sharding.fsdp("dp"), precision=policy, backend="aot_eager",
+        param_sharding=fsg.sharding.fsdp("dp"), precision=policy, backend="eager",
     )  # fmt: skip
     state = step.init(fsg.params(model))
     rows = step.lower(state, regression_batch(n=16)).collectives()
@@ -313,7 +313,7 @@ def check_accumulation(axes: dict, preset: str) -> list[str]:
     )  # fmt: skip
     step = fsg.compile_step(
         mse_loss_fn(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2), param_sharding=rules,
-        accum_steps=2, backend="aot_eager",
+        accum_steps=2, backend="eager",
     )  # fmt: skip
     return sorted({row.kind for row in step.lower(step.init(fsg.params(model)), batches[0]).collectives()})
 
@@ -334,7 +334,7 @@ def bucketed_data_parallel(bucket_mb: float, preset: str = "dp", compute: str = 
     policy = fsg.Policy(compute=getattr(torch, compute))
     tolerance = dict(rtol=1e-4, atol=1e-5) if compute == "float32" else dict(rtol=2e-2, atol=2e-3)
     step = fsg.compile_step(
-        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", bucket_mb=bucket_mb,
+        mse_loss_fn(model), mesh, optimizer=fsg.optim.sgd(0.1), backend="eager", bucket_mb=bucket_mb,
         param_sharding=rules, precision=policy,
     )  # fmt: skip
     batch = {"x": torch.randn(16, 16), "y": torch.randn(16, 4)}
@@ -368,7 +368,7 @@ def fused_update_order(bucket_mb: float, preset: str = "dp", accum_steps: int = 
     fsg.testing.assert_sharded_matches_unsharded(
         gpt_loss(model), fsg.params(model), gpt_batches(), mesh, rtol=1e-4, atol=1e-5, **options
     )
-    step = fsg.compile_step(gpt_loss(model), mesh, backend="aot_eager", **options)
+    step = fsg.compile_step(gpt_loss(model), mesh, backend="eager", **options)
     nodes = list(step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).graph_module.graph.nodes)
     waits = {}
     for update in (n for n in nodes if "fused_adamw" in str(n.target)):
@@ -399,7 +399,7 @@ def reduce_dtype_bytes(preset: str, reduce: str | None) -> dict:
     fsg.testing.assert_sharded_matches_unsharded(
         mse_loss_fn(model), fsg.params(model), batches, mesh, batch_sharding=fsg.P("dp"), **tolerance, **options
     )
-    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="aot_eager", **options)
+    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="eager", **options)
     lowered = step.lower(step.init(fsg.params(model)), batches[0])
     kind = "reduce_scatter_tensor" if preset == "fsdp" else "all_reduce"
     update = next(n for n in lowered.graph_module.graph.nodes if "fused_adamw" in str(n.target))
@@ -427,7 +427,7 @@ def fsdp_gather_order(bucket_mb: float) -> dict:
     fsg.testing.assert_sharded_matches_unsharded(
         mse_loss_fn(model), fsg.params(model), [batch] * 3, mesh, rtol=2e-2, atol=2e-3, **options
     )
-    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="aot_eager", **options)
+    step = fsg.compile_step(mse_loss_fn(model), mesh, backend="eager", **options)
     nodes = _graph_nodes(step, batch, model)
     gathers = [i for i, n in enumerate(nodes) if "all_gather" in str(n.target)]
     matmuls = [i for i, n in enumerate(nodes) if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
@@ -448,7 +448,7 @@ def small_collective_order() -> dict:
     loss metric's wait sit in the local graph, relative to the matmuls."""
     model = tiny_gpt()
     step = fsg.compile_step(
-        gpt_loss(model), fsg.testing.mesh({"dp": 2}), optimizer=fsg.optim.sgd(0.1), backend="aot_eager"
+        gpt_loss(model), fsg.testing.mesh({"dp": 2}), optimizer=fsg.optim.sgd(0.1), backend="eager"
     )
     nodes = _graph_nodes(step, gpt_batches(1)[0], model)
     matmuls = [
