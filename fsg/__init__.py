@@ -27,13 +27,12 @@ from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
 from fsg._src.precision import Policy as Policy
-from fsg._src.stages import Cost as Cost
-from fsg._src.stages import Lowered as Lowered
-from fsg._src.step import Step as Step
-from fsg._src.step import compile_step as compile_step
+from fsg._src.runtime.compile_step import compile_step as compile_step
+from fsg._src.runtime.lowered import Cost as Cost
+from fsg._src.runtime.lowered import Lowered as Lowered
+from fsg._src.runtime.step import Step as Step
 from fsg._src.train_state import TrainState as TrainState
-
-__version__ = "0.1.0"
+from fsg._src.version import __version__ as __version__
 
 __all__ = [
     "BatchError",

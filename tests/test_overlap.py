@@ -6,7 +6,8 @@ import operator
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, overlap, prefetch
+from fsg._src import _torch_private
+from fsg._src.passes import buckets, defer, prefetch
 
 AR, WAIT = _torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR
 
@@ -35,7 +36,7 @@ def test_independent_gradients_share_one_bucket_and_keep_their_shapes():
     ra, rb = _reduce(graph, ga), _reduce(graph, gb)
     graph.output((graph.call_function(operator.add, (ra, 1.0)), graph.call_function(operator.add, (rb, 1.0))))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_gradient_collectives(gm) == 1
+    assert buckets.bucket_gradient_collectives(gm) == 1
     (reduced,) = _all_reduces(gm)
     assert reduced.args[0].target is torch.ops.aten.cat.default
     views = [n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default]
@@ -50,7 +51,7 @@ def test_an_all_reduce_of_a_reduced_result_is_never_packed_with_it():
     second = _reduce(graph, first)  # e.g. reduce over one mesh axis, then another
     graph.output((second,))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_gradient_collectives(gm) == 2
+    assert buckets.bucket_gradient_collectives(gm) == 2
     gm.graph.lint()
 
 
@@ -61,7 +62,7 @@ def test_reduce_ops_and_bucket_size_split_buckets():
     graph.output(tuple(outs))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     # placeholders are their own producers: buckets of 2 KiB hold two sums each, the avg apart
-    assert overlap.bucket_gradient_collectives(gm, bucket_mb=2 / 1024) == 3
+    assert buckets.bucket_gradient_collectives(gm, bucket_mb=2 / 1024) == 3
 
 
 def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
@@ -73,7 +74,7 @@ def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
         outs.append(graph.call_function(WAIT, (scattered,)))
     graph.output(tuple(outs))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.bucket_gradient_collectives(gm) == 1
+    assert buckets.bucket_gradient_collectives(gm) == 1
     (packed,) = [n for n in gm.graph.nodes if n.target is _torch_private.REDUCE_SCATTER]
     assert packed.args[0].target is torch.ops.aten.cat.default and packed.args[0].args[1] == 1
     assert [list(r.args[1]) for r in packed.args[0].args[0]] == [[2, -1], [2, -1]]
@@ -169,7 +170,7 @@ def test_the_token_count_is_reduced_first_and_the_loss_metric_waited_for_last():
     metric = graph.call_function(torch.ops.aten.detach.default, (total,))
     graph.output((metric, update))
     gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert overlap.defer_small_collectives(gm) == 2  # the count hoisted, the loss's wait deferred
+    assert defer.defer_small_collectives(gm) == 2  # the count hoisted, the loss's wait deferred
     gm.graph.lint()
     nodes = list(gm.graph.nodes)
     count_reduce, loss_reduce = (next(n for n in nodes if n.target is AR and n.args[0] is v) for v in (count, loss_sum))

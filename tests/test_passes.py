@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, overlap
+from fsg._src import _torch_private
 from fsg._src.errors import FsgError, PassInvariantError
-from fsg._src.passes import CHECK_ENV, facts, invariants, run_pass
+from fsg._src.passes import CHECK_ENV, defer, facts, invariants, run_pass
 
 aten = torch.ops.aten
 AR, WAIT = _torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR
@@ -82,7 +82,7 @@ def _run(gm):
 def _old_defer(gm, wait):
     """What ``defer_small_collectives`` did before issue 15: the wait's pure tail moves right
     before ``output``, whatever the tail reads."""
-    tail = overlap._output_only_tail(wait)
+    tail = defer._output_only_tail(wait)
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
     for n in sorted(tail, key=order.__getitem__):
@@ -144,7 +144,7 @@ def test_the_fixed_deferral_waits_before_the_update_overwrites_what_the_metric_r
     monkeypatch.setenv(CHECK_ENV, "1")
     gm, total, metric, (copy_w, copy_scale) = _metric_graph()
     expected, _ = _run(gm)
-    assert run_pass("defer_small_collectives", overlap.defer_small_collectives, gm) == 1
+    assert run_pass("defer_small_collectives", defer.defer_small_collectives, gm) == 1
     nodes = list(gm.graph.nodes)
     # as late as it may go: past the backward and w's update, not past scale's update
     assert nodes.index(copy_w) < nodes.index(total) < nodes.index(metric) < nodes.index(copy_scale)
@@ -162,7 +162,7 @@ def test_a_tail_that_cannot_move_at_all_stays_where_it_is():
     graph.output((ratio,))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     order = [n.name for n in gm.graph.nodes]
-    assert overlap.defer_small_collectives(gm) == 0
+    assert defer.defer_small_collectives(gm) == 0
     assert [n.name for n in gm.graph.nodes] == order
 
 
@@ -170,7 +170,7 @@ def test_a_legal_deferral_still_moves_the_wait_to_the_end(monkeypatch):
     monkeypatch.setenv(CHECK_ENV, "1")
     gm, total, metric, copies = _metric_graph(metric_reads_scale=False)
     expected, _ = _run(gm)
-    assert run_pass("defer_small_collectives", overlap.defer_small_collectives, gm) == 1
+    assert run_pass("defer_small_collectives", defer.defer_small_collectives, gm) == 1
     nodes = list(gm.graph.nodes)
     assert max(map(nodes.index, copies)) < nodes.index(total) < nodes.index(metric) == len(nodes) - 2
     assert torch.equal(_run(gm)[0], expected)
@@ -180,7 +180,7 @@ def test_a_legal_deferral_still_moves_the_wait_to_the_end(monkeypatch):
 def test_a_seed_that_reads_only_the_loss_shape_does_not_pin_the_wait(seed):
     """On a mesh stage 1 decomposes ``ones_like`` to ``full_like``: still only a shape read."""
     gm, total, metric, copies = _metric_graph(metric_reads_scale=False, seed=seed)
-    assert overlap.defer_small_collectives(gm) == 1
+    assert defer.defer_small_collectives(gm) == 1
     nodes = list(gm.graph.nodes)
     assert max(map(nodes.index, copies)) < nodes.index(total)
 
@@ -197,7 +197,7 @@ def test_a_count_read_from_a_batch_leaf_written_earlier_is_not_hoisted_above_the
     graph.output((_op(graph, aten.div.Tensor, h, tokens, shape=(4, 4)), clipped))
     gm = fx.GraphModule(torch.nn.Module(), graph)
     before = invariants.snapshot(gm.graph)
-    overlap.defer_small_collectives(gm)
+    defer.defer_small_collectives(gm)
     invariants.check(before, gm.graph, "defer_small_collectives")
     nodes = list(gm.graph.nodes)
     assert nodes.index(clipped) < nodes.index(count.args[0])  # still reads the clipped labels

@@ -103,6 +103,19 @@ def all_decompositions() -> dict[Any, Callable[..., Any]]:
 # targets (``operator.getitem``) and higher-order ops have no schema: no facts.
 
 
+def op_name(target: Any) -> str:
+    """``"aten.mm"`` for an ``OpOverload`` (namespace and op, no overload); the Python name of
+    any other target (``"getitem"``)."""
+    if isinstance(target, OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
+    return t if t._base is None else t._base
+
+
 @functools.cache
 def arg_names(target: Any) -> tuple[str, ...]:
     """The names of an op's schema arguments, in order (``()`` for a target that is not an

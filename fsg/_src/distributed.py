@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from fsg._src.errors import MeshError
+
+_BEFORE_SHUTDOWN: list[Callable[[], Any]] = []  # see before_shutdown
 
 
 class ProcessInfo(NamedTuple):
@@ -61,7 +63,13 @@ def shutdown() -> None:
     (pytorch/pytorch#115388). Such a step captures again if called after a new ``initialize``.
     """
     if dist.is_available() and dist.is_initialized():
-        from fsg._src import cudagraph
-
-        cudagraph.release_all()
+        for release in _BEFORE_SHUTDOWN:
+            release()
         dist.destroy_process_group()
+
+
+def before_shutdown(release: Callable[[], Any]) -> None:
+    """Registers ``release`` to run in ``shutdown`` before the process group is destroyed
+    (the CUDA-graph replayer drops its graphs there)."""
+    if release not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(release)

@@ -7,15 +7,15 @@ first used, so the rest of this module works without it.
 
 from typing import TYPE_CHECKING
 
-from fsg._src.equivalence import assert_sharded_matches_unsharded as assert_sharded_matches_unsharded
-from fsg._src.harness import MultiRank as MultiRank
-from fsg._src.harness import RankError as RankError
-from fsg._src.harness import mesh as mesh
-from fsg._src.verify import verify_step as verify_step
+from fsg._src.runtime.verify import verify_step as verify_step
+from fsg._src.testing.equivalence import assert_sharded_matches_unsharded as assert_sharded_matches_unsharded
+from fsg._src.testing.harness import MultiRank as MultiRank
+from fsg._src.testing.harness import RankError as RankError
+from fsg._src.testing.harness import mesh as mesh
 
 if TYPE_CHECKING:
-    from fsg._src.strategies import mesh_strategy as mesh_strategy
-    from fsg._src.strategies import spec_strategy as spec_strategy
+    from fsg._src.testing.strategies import mesh_strategy as mesh_strategy
+    from fsg._src.testing.strategies import spec_strategy as spec_strategy
 
 __all__ = [
     "MultiRank",
@@ -34,7 +34,7 @@ def __getattr__(name: str):
     if name not in _NEED_HYPOTHESIS:
         raise AttributeError(f"module 'fsg.testing' has no attribute {name!r}")
     try:
-        from fsg._src import strategies
+        from fsg._src.testing import strategies
     except ModuleNotFoundError as exc:
         if exc.name is None or exc.name.split(".")[0] != "hypothesis":
             raise

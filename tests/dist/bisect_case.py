@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 
 import fsg
 import fsg.testing
-from fsg._src import spmd, tree
+from fsg._src import tree
+from fsg._src.sharding import spmd
 from tests.dist import corpus_workers, op_corpus
 
 
@@ -49,7 +50,7 @@ def bisect(name: str, preset: str) -> list[str]:
     batch_dt = [
         DTensor.from_local(local, plan.mesh.device_mesh, pl, run_check=False, shape=t.shape, stride=t.stride())
         for local, pl, t in zip(
-            fsg._src.placement.local_batch(batch_leaves, plan.batch_placements, plan.mesh), plan.batch_placements,
+            fsg._src.sharding.placement.local_batch(batch_leaves, plan.batch_placements, plan.mesh), plan.batch_placements,
             batch_leaves,
         )
     ]  # fmt: skip

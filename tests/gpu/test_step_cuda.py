@@ -93,7 +93,7 @@ def test_cuda_graph_replay_matches_plain_step_and_recaptures_for_a_new_state():
 def test_release_all_drops_captured_graphs_and_the_step_captures_again():
     """``fsg.distributed.shutdown`` releases captured graphs before NCCL teardown
     (pytorch/pytorch#115388); a released step keeps working and captures anew."""
-    from fsg._src import cudagraph
+    from fsg._src.backend import cudagraph
 
     graphed, gstate = _two_steps()
     plain, pstate = _two_steps(cuda_graph=False)

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsg
-from fsg._src import fusion
 from fsg._src.kernels import adamw as K
+from fsg._src.passes import fuse_adamw as fusion
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 from tests.kernels.common import KERNEL, needs_triton, rel
 
@@ -162,7 +162,7 @@ def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch):
         raise fsg.UnsupportedError("fused AdamW: refused for this test")
 
     monkeypatch.setattr(fusion, "fuse_adamw", refuse)
-    monkeypatch.setattr(fsg._src.build.Builder, "fuse_optimizer", lambda self, state: True)
+    monkeypatch.setattr(fsg._src.runtime.build.Builder, "fuse_optimizer", lambda self, state: True)
     step, state = _step(None)
     plain, plain_state = _step(False)
     assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()

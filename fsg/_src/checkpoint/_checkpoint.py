@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import fsg
 from fsg._src import tree
 from fsg._src.checkpoint import _io, _layout
 from fsg._src.errors import CheckpointError
+from fsg._src.version import __version__
 
 FORMAT, VERSION = "fsg-checkpoint", 1
 ROOT = "state"
@@ -119,7 +119,7 @@ def write(
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "fsg_version": fsg.__version__,
+            "fsg_version": __version__,
             "torch_version": torch.__version__,
             "created": time.time(),
             "world_size": world,

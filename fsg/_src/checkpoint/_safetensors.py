@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from fsg._src import tree
 from fsg._src.checkpoint import _io
 from fsg._src.checkpoint._checkpoint import _rank_world
-from fsg._src.placement import param_names
+from fsg._src.rules import param_names
 
 _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

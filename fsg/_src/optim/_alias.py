@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fsg._src import fusion
-from fsg._src.optim._base import GradientTransformation, chain
+from fsg._src.optim._base import AdamWSpec, GradientTransformation, chain
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import (
     MaskOrFn,
@@ -40,9 +39,8 @@ def adam(
       >>> opt = fsg.optim.adam(1e-3)
     """
     transformation = chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
-    # AdamW without decay: compile_step may use the fused AdamW kernel (fsg/_src/fusion.py).
-    spec = fusion.AdamWSpec(b1, b2, eps, 0.0, None, learning_rate, decay_state=False)
-    return fusion.register_adamw(transformation, spec)
+    # AdamW without decay: compile_step may run the fused AdamW kernel (fsg/_src/passes/fuse_adamw.py).
+    return transformation._replace(spec=AdamWSpec(b1, b2, eps, 0.0, None, learning_rate, decay_state=False))
 
 
 def adamw(
@@ -73,8 +71,8 @@ def adamw(
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
-    # compile_step may replace this traced math by the fused kernel (fsg/_src/fusion.py).
-    return fusion.register_adamw(transformation, fusion.AdamWSpec(b1, b2, eps, weight_decay, mask, learning_rate))
+    # compile_step may replace this traced math by the fused kernel (fsg/_src/passes/fuse_adamw.py).
+    return transformation._replace(spec=AdamWSpec(b1, b2, eps, weight_decay, mask, learning_rate))
 
 
 def lion(

@@ -18,12 +18,29 @@ Updates = Any
 OptState = Any
 
 
+class AdamWSpec(NamedTuple):
+    """What an ``fsg.optim.adam`` or ``adamw`` update computes, as data: ``compile_step`` may
+    run exactly this update as one fused kernel instead of the traced math (stage 3,
+    ``passes/fuse_adamw.py``)."""
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    mask: Any
+    learning_rate: Any  # a float or a schedule
+    decay_state: bool = True  # adamw's chain has add_decayed_weights (EmptyState) in the middle
+
+
 class GradientTransformation(NamedTuple):
     """A pair of pure functions ``(init, update)`` that turns gradients into updates.
 
     Attributes:
       init: ``init(params) -> state``.
       update: ``update(updates, state, params=None) -> (new_updates, new_state)``.
+      spec: what ``update`` computes, as data, when it is an update fsg can run as a fused
+        kernel (an ``AdamWSpec``, set by ``adam`` and ``adamw``); ``None`` otherwise. A chain
+        around such a transformation is traced as math.
 
     Example:
       >>> opt = fsg.optim.sgd(0.1)
@@ -36,6 +53,7 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
+    spec: AdamWSpec | None = None
 
 
 class EmptyState(NamedTuple):

@@ -12,45 +12,27 @@ correction need no host sync.
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Any, NamedTuple
 
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, markers, tree
+from fsg._src import _torch_private, tree
 from fsg._src.errors import UnsupportedError
 from fsg._src.kernels import adamw as adamw_kernel  # noqa: F401 - registers fsg::fused_adamw_
+from fsg._src.optim._base import AdamWSpec, EmptyState, GradientTransformation, chain
+from fsg._src.optim._transforms import ScaleByAdamState, scale_by_adam, scale_by_learning_rate
+from fsg._src.trace import markers
 
 FUSED_ADAMW = torch.ops.fsg.fused_adamw_.default
 _COPY = torch.ops.aten.copy_.default
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class AdamWSpec(NamedTuple):
-    """The hyperparameters of an ``fsg.optim.adamw`` transformation."""
-
-    b1: float
-    b2: float
-    eps: float
-    weight_decay: float
-    mask: Any
-    learning_rate: Any  # a float or a schedule
-    decay_state: bool = True  # adamw's chain has add_decayed_weights (EmptyState) in the middle
-
-
-_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def register_adamw(transformation: Any, spec: AdamWSpec) -> Any:
-    """Marks ``transformation`` (built by ``fsg.optim.adamw`` or ``adam``) as fusable; returns it."""
-    _SPECS[transformation.update] = spec
-    return transformation
-
-
 def adamw_spec(optimizer: Any) -> AdamWSpec | None:
     """The spec of an ``fsg.optim.adamw`` or ``adam`` optimizer; ``None`` for any other."""
-    return _SPECS.get(optimizer.update)
+    spec = getattr(optimizer, "spec", None)
+    return spec if isinstance(spec, AdamWSpec) else None
 
 
 class _AdamWLeaves(NamedTuple):
@@ -79,9 +61,6 @@ def stand_in(optimizer: Any) -> Any:
     gradient, a few graph nodes per param instead of the ~15 of Adam's math. Tracing the real
     math only for the pass to delete it was a third of stage 1 for GPT-2. Its graph is only
     correct once ``fuse_adamw`` has rewritten it."""
-    from fsg._src.optim._base import EmptyState, GradientTransformation, chain
-    from fsg._src.optim._transforms import ScaleByAdamState, scale_by_adam, scale_by_learning_rate
-
     spec = adamw_spec(optimizer)
     adam = scale_by_adam(b1=spec.b1, b2=spec.b2, eps=spec.eps)
 

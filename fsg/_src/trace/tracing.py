@@ -15,11 +15,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, markers, purity, tree
+from fsg._src import _torch_private, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
+from fsg._src.trace import markers, purity
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]

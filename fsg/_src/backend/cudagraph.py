@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from fsg._src import distributed
 from fsg._src.errors import CudaGraphWarning
 from fsg._src.kernels._common import capture_warmup
 
@@ -43,6 +44,9 @@ def release_all() -> int:
     for g in graphed:
         g.release()
     return len(graphed)
+
+
+distributed.before_shutdown(release_all)
 
 
 def can_graph(inputs: list[torch.Tensor]) -> bool:

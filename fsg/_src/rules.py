@@ -8,8 +8,9 @@ apart from the model ("what to compute" vs "how it is distributed") and are appl
 from __future__ import annotations
 
 import re
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
+from fsg._src import tree
 from fsg._src.mesh import Mesh, P
 
 SpecOrFn = Union[P, Callable[[tuple[int, ...], Mesh], P]]
@@ -142,3 +143,11 @@ def fsdp_tensor_parallel(dp: str = "dp", tp: str = "tp", *, column: str = COLUMN
         ],
         _fsdp_spec(dp),
     )
+
+
+def param_names(params: Any) -> list[str]:
+    """The names rules match against: dict keys for a flat dict, else leaf paths."""
+    leaves, _ = tree.flatten(params)
+    if isinstance(params, dict) and len(params) == len(leaves):
+        return sorted(params)  # optree flattens dicts in sorted key order
+    return tree.leaf_paths(params, "")

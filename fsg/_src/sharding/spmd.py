@@ -22,11 +22,13 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from fsg._src import _torch_private, markers, op_support, purity, tree
+from fsg._src import _torch_private, tree
 from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
-from fsg._src.trace import TracedStep
+from fsg._src.sharding import op_support
+from fsg._src.trace import markers, purity
+from fsg._src.trace.tracing import TracedStep
 
 
 class ShardPlan(NamedTuple):
@@ -283,13 +285,13 @@ def collectives(gm: fx.GraphModule, mesh: Mesh | None) -> list[Collective]:
     table: dict[tuple[str, str], list[int]] = {}
     for node in gm.graph.nodes:
         target = node.target
-        if not _torch_private.is_collective(target) or target._opname == "wait_tensor":
+        if not _torch_private.is_collective(target) or target is _torch_private.WAIT_TENSOR:
             continue
         group = next((a for a in node.args if isinstance(a, str) and a in names), None)
         axis = names.get(group, "+".join(mesh.axis_names) if mesh is not None else "?")
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         nbytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        entry = table.setdefault((target._opname, axis), [0, 0])
+        entry = table.setdefault((_torch_private.op_name(target).split(".")[-1], axis), [0, 0])
         entry[0] += nbytes
         entry[1] += 1
     return [Collective(kind, axis, b, c) for (kind, axis), (b, c) in sorted(table.items())]

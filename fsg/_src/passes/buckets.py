@@ -22,7 +22,7 @@ The forward's small collectives stop blocking the step too: one whose input depe
 batch alone (the token count of a mean loss) is issued at the step's start, and a wait whose
 result only feeds the step's outputs (the loss metric) moves to the step's end
 (``defer_small_collectives``). FSDP's parameter all-gathers are packed by ``prefetch.py``,
-which shares this module's view and cast moves.
+which shares the view and cast moves of ``moves.py``.
 """
 
 from __future__ import annotations
@@ -34,64 +34,12 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import facts
+from fsg._src.passes.moves import hoist_views, meta_value, sink_casts
 
 log = logging.getLogger("fsg")
 
 DEFAULT_BUCKET_MB = 25.0
 _COLLECTIVES = (_torch_private.ALL_REDUCE, _torch_private.REDUCE_SCATTER)
-
-
-_aten = torch.ops.aten
-_VIEWS = frozenset(
-    {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
-     _aten.transpose.int, _aten.squeeze.dim, _aten.unsqueeze.default, _aten.alias.default, _aten.detach.default}
-)  # fmt: skip
-# views, plus the dtype cast: the pure single-input ops moved with a collective's input or result
-MOVABLE = _VIEWS | {_aten._to_copy.default}
-
-
-def _hoist_views(node: fx.Node) -> None:
-    """Moves the chain of view ops and dtype casts that ends in ``node`` right after the op
-    that produced its data: stage 2 emits those views where the gradient is marked, after the
-    whole backward, which would pin the collective there too. The casts are mixed precision's:
-    a float32 parameter is cast to bf16 before the forward, so autograd runs the backward of
-    that cast (the bf16 gradient cast to float32) after the whole backward; left there, it
-    made every bucket wait for the end of the backward."""
-    chain = []
-    while (
-        node.op == "call_function"
-        and node.target in MOVABLE
-        and isinstance(node.args[0], fx.Node)
-        and not any(isinstance(a, fx.Node) for a in node.args[1:])
-        and not any(isinstance(a, fx.Node) for a in node.kwargs.values())
-    ):
-        chain.append(node)
-        node = node.args[0]
-    if node.op == "placeholder":
-        return
-    for view in reversed(chain):
-        node.append(view)
-        node = view
-
-
-def sink_casts(node: fx.Node) -> None:
-    """Moves the views and casts that read ``node`` (a collective's wait) down to right before
-    their first other user: stage 2 emits a gradient reduced in ``Policy.reduce``'s dtype
-    followed at once by its cast back, which would otherwise count as the result's first use
-    and close the bucket."""
-    for user in list(node.users):
-        if user.op != "call_function" or user.target not in MOVABLE or len(user.all_input_nodes) != 1:
-            continue
-        sink_casts(user)
-        if user.users:
-            order = {n: k for k, n in enumerate(node.graph.nodes)}
-            min(user.users, key=order.__getitem__).prepend(user)
-
-
-def meta_value(node: fx.Node) -> torch.Tensor | None:
-    value = node.meta.get("val")
-    return value if isinstance(value, torch.Tensor) else None
 
 
 class _Item:
@@ -206,131 +154,13 @@ def _rewrite_reduce_scatter(graph: fx.Graph, bucket: list[_Item], last_input: fx
         graph.erase_node(item.collective)
 
 
-def last_placeholder(graph: fx.Graph) -> fx.Node:
-    return [n for n in graph.nodes if n.op == "placeholder"][-1]
-
-
-_SMALL = 4096  # elements: the forward's scalars (a token count, a loss sum), never a gradient bucket
-# ops that read only their first input's shape, dtype and device (no schema says so); full_like
-# is the backward's seed once stage 1 decomposes ones_like on a mesh
-_SHAPE_ONLY = frozenset(
-    {_aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default, _aten.full_like.default}
-)
-
-
-def _input_cone(node: fx.Node, limit: int = 32) -> list[fx.Node] | None:
-    """The ops ``node`` is computed from, if they are few, pure and read only graph inputs (a
-    token count read from the labels); ``None`` otherwise."""
-    cone, stack = {}, [node]
-    while stack:
-        n = stack.pop()
-        if n in cone or n.op in ("placeholder", "get_attr"):
-            continue
-        if n.op != "call_function" or not _torch_private.is_pure_op(n.target) or _torch_private.is_collective(n.target):
-            return None
-        cone[n] = None
-        if len(cone) > limit:
-            return None
-        stack.extend(n.all_input_nodes)
-    return list(cone)
-
-
-def _output_only_tail(wait: fx.Node) -> list[fx.Node] | None:
-    """``wait`` and the pure ops after it, if they feed nothing but the graph's outputs."""
-    tail, stack = {}, [wait]
-    while stack:
-        n = stack.pop()
-        if n in tail:
-            continue
-        if n.op != "call_function" or not _torch_private.is_pure_op(n.target):
-            return None
-        tail[n] = None
-        stack.extend(u for u in n.users if u.op != "output")
-    return list(tail)
-
-
-def _hoist(graph: fx.Graph, node: fx.Node, cone: list[fx.Node], anchor: fx.Node) -> fx.Node | None:
-    """Moves ``cone`` (in order) and the collective ``node`` right after ``anchor``; returns the
-    new anchor, or ``None`` (moving nothing) if that would move one of them before a write to
-    memory it reads (a batch leaf updated in place earlier in the step)."""
-    accesses = facts.Accesses(graph)
-    order = accesses.position
-    # (ops an earlier hoist already moved up stay where they are, before their users)
-    up = [*sorted((n for n in cone if order[n] > order[anchor]), key=order.__getitem__), node]
-    for n in up:
-        writer = accesses.crossed(n, order[anchor])
-        if writer is not None:
-            log.debug("fsg: %s stays: moving %s up would cross the write %s", node.name, n.name, writer.name)
-            return None
-    for n in up:
-        anchor.append(n)
-        anchor = n
-    return anchor
-
-
-def _defer(graph: fx.Graph, tail: list[fx.Node]) -> bool:
-    """Moves ``tail`` (a wait and the pure ops that read it, feeding only the outputs) as late as
-    it may go: right before ``output``, or before the first later write to memory one of them
-    reads (a metric read from a parameter that the update's ``copy_`` overwrites must see the
-    old value). Returns whether the wait moved down."""
-    accesses = facts.Accesses(graph)
-    order = accesses.position
-    stop = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for n in tail:
-        stop = accesses.next_write(n, order[stop]) or stop
-    wait, members = tail[0], set(tail)
-    if all(n in members for n in accesses.nodes[order[wait] : order[stop]]):
-        return False  # nothing to move past
-    blocked = next(((n, w) for n in tail if (w := accesses.crossed(n, order[stop])) is not None), None)
-    if blocked is not None:
-        log.debug("fsg: %s stays: moving %s down would cross the write %s", wait.name, blocked[0].name, blocked[1].name)
-        return False
-    if stop.op != "output":
-        log.debug("fsg: %s moves down only to %s, which writes memory its readers read", wait.name, stop.name)
-    for n in sorted(tail, key=order.__getitem__):
-        stop.prepend(n)
-    return True
-
-
-def defer_small_collectives(gm: fx.GraphModule) -> int:
-    """Takes the forward's small all-reduces off the step's critical path (see the module
-    docstring); returns how many collectives it moved. Run it after the bucketing pass. No node
-    moves past a write to memory it reads (``passes.facts``): a batch-only count whose input
-    is written in place stays, and a loss metric that also reads a parameter is waited for
-    before the update overwrites that parameter."""
-    graph = gm.graph
-    moved = 0
-    anchor = last_placeholder(graph)  # hoisted ops go after it, in order
-    for node in list(graph.nodes):
-        if node.target is not _torch_private.ALL_REDUCE or not isinstance(node.args[0], fx.Node):
-            continue
-        value = meta_value(node.args[0])
-        if value is None or value.numel() > _SMALL:
-            continue
-        cone = _input_cone(node.args[0])
-        if cone:  # read from the batch only: issue it first thing
-            hoisted = _hoist(graph, node, cone, anchor)
-            if hoisted is not None:
-                anchor = hoisted
-                moved += 1
-        for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
-            for user in list(wait.users):  # the backward's seed reads only the loss's shape
-                if user.target in _SHAPE_ONLY:  # an all-reduce's result has its input's shape
-                    user.replace_input_with(wait, node.args[0])
-            tail = _output_only_tail(wait)
-            if tail and wait.users and _defer(graph, tail):
-                moved += 1
-    graph.lint()
-    gm.recompile()
-    return moved
-
 
 def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
     """Rewrites ``gm`` in place as the module docstring says; returns the number of
     collectives left of those it handled (one per bucket)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _COLLECTIVES:
-            _hoist_views(node.args[0])
+            hoist_views(node.args[0])
             for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
                 sink_casts(wait)
     order = {n: k for k, n in enumerate(gm.graph.nodes)}

@@ -14,14 +14,17 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, fusion, markers, op_support, overlap, placement, prefetch, purity, spmd, tree
-from fsg._src import trace as trace_lib
+from fsg._src import _torch_private, tree
 from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
-from fsg._src.passes import run_pass
+from fsg._src.passes import buckets, defer, prefetch, run_pass
+from fsg._src.passes import fuse_adamw as fusion
 from fsg._src.precision import Policy
+from fsg._src.sharding import op_support, placement, spmd
+from fsg._src.trace import markers, purity
+from fsg._src.trace import tracing as trace_lib
 
 log = logging.getLogger("fsg")
 
@@ -78,10 +81,10 @@ class Builder:
                 built, fuse = build(state, batch, self._optimizer, False), False
         if self._mesh is not None and self._bucket_mb:  # bucket and place the collectives
             run_pass("bucket_parameter_gathers", prefetch.bucket_parameter_gathers, built.graph, self._bucket_mb)
-            run_pass("bucket_gradient_collectives", overlap.bucket_gradient_collectives, built.graph, self._bucket_mb)
+            run_pass("bucket_gradient_collectives", buckets.bucket_gradient_collectives, built.graph, self._bucket_mb)
             if fuse:  # update each bucket's params as soon as its reduction lands
                 run_pass("update_on_arrival", fusion.update_on_arrival, built.graph)
-            run_pass("defer_small_collectives", overlap.defer_small_collectives, built.graph)
+            run_pass("defer_small_collectives", defer.defer_small_collectives, built.graph)
         return built
 
     def _local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:

@@ -9,7 +9,8 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsg._src import _torch_private, spmd
+from fsg._src import _torch_private
+from fsg._src.sharding import spmd
 
 
 class Cost(NamedTuple):
@@ -23,13 +24,6 @@ class Cost(NamedTuple):
 
     flops: int
     op_counts: dict[str, int]
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, _torch_private.OpOverload):
-        return f"{target.namespace}.{target._opname}"
-    return getattr(target, "__name__", str(target))
 
 
 class Lowered:
@@ -65,7 +59,7 @@ class Lowered:
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op the graph holds, e.g. ``{"aten.mm": 6, ...}``."""
-        counts = collections.Counter(_op_name(n) for n in self.graph_module.graph.nodes if n.op == "call_function")
+        counts = collections.Counter(_torch_private.op_name(n.target) for n in self.graph_module.graph.nodes if n.op == "call_function")
         return dict(sorted(counts.items()))
 
     def cost(self) -> Cost:

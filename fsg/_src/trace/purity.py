@@ -16,8 +16,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, markers, tree
+from fsg._src import _torch_private, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError
+from fsg._src.trace import markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,10 +70,6 @@ def impure_error(path: str, op: str, where: str) -> ImpureLossError:
     return ImpureLossError(f"loss_fn writes in place to {path} ({op}) at {where}. {_PURE_FIX}")
 
 
-def _root(t: torch.Tensor) -> torch.Tensor:
-    return t if t._base is None else t._base
-
-
 class _Violation(Exception):
     def __init__(self, error: FsgError):
         self.error = error
@@ -99,15 +96,12 @@ class _Watch(_torch_private.TorchDispatchMode):
         if func in _torch_private.HOST_SYNC_OPS:
             where = user_frame(traceback.extract_stack())
             raise _Violation(host_sync_error(where, ".item(), float(), int() or bool() of a tensor"))
-        schema = func._schema
-        if schema.is_mutable:
-            for arg_schema, arg in zip(schema.arguments, args):
-                written = arg_schema.alias_info is not None and arg_schema.alias_info.is_write
-                if written and isinstance(arg, torch.Tensor) and id(_root(arg)) in self._watched:
-                    path = self._watched[id(_root(arg))]
-                    raise _Violation(
-                        impure_error(path, f"aten.{schema.name.split('::')[-1]}", user_frame(traceback.extract_stack()))
-                    )
+        for i in _torch_private.mutated_args(func):
+            arg = args[i] if i < len(args) else None
+            if isinstance(arg, torch.Tensor) and id(_torch_private.view_base(arg)) in self._watched:
+                path = self._watched[id(_torch_private.view_base(arg))]
+                where = user_frame(traceback.extract_stack())
+                raise _Violation(impure_error(path, _torch_private.op_name(func), where))
         return func(*args, **kwargs)
 
 

@@ -10,16 +10,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_t
 from fsg._src import tree
 from fsg._src.errors import MeshError
 from fsg._src.mesh import Mesh, P
-from fsg._src.sharding import Rules, data_parallel
-from fsg._src.spmd import ShardPlan, local_shard
-
-
-def param_names(params: Any) -> list[str]:
-    """The names rules match against: dict keys for a flat dict, else leaf paths."""
-    leaves, _ = tree.flatten(params)
-    if isinstance(params, dict) and len(params) == len(leaves):
-        return sorted(params)  # optree flattens dicts in sorted key order
-    return tree.leaf_paths(params, "")
+from fsg._src.rules import Rules, data_parallel, param_names
+from fsg._src.sharding.spmd import ShardPlan, local_shard
 
 
 def distribute_params(params: Any, mesh: Mesh, rules: Rules | None) -> Any:

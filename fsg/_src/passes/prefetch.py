@@ -18,7 +18,9 @@ import operator
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, overlap
+from fsg._src import _torch_private
+from fsg._src.passes import moves
+from fsg._src.passes.buckets import DEFAULT_BUCKET_MB
 
 _aten = torch.ops.aten
 
@@ -28,7 +30,7 @@ def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
     ``None`` if ``node`` is not such a chain (an all-gather's input: a parameter's shard cast
     to the compute dtype)."""
     chain = []
-    while node.op == "call_function" and node.target in overlap.MOVABLE and len(node.all_input_nodes) == 1:
+    while node.op == "call_function" and node.target in moves.MOVABLE and len(node.all_input_nodes) == 1:
         chain.append(node)
         node = node.args[0]
     return list(reversed(chain)) if node.op == "placeholder" and chain else None
@@ -37,7 +39,7 @@ def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
 class _Gather:
     def __init__(self, collective: fx.Node, wait: fx.Node, chain: list[fx.Node], order: dict):
         self.collective, self.wait, self.chain = collective, wait, chain
-        self.input, self.output = overlap.meta_value(collective.args[0]), overlap.meta_value(wait)
+        self.input, self.output = moves.meta_value(collective.args[0]), moves.meta_value(wait)
         self.first_use = min((u for u in wait.users), key=order.__getitem__)
         self.key = (self.input.dtype, self.input.device, *collective.args[1:])
 
@@ -50,7 +52,7 @@ def _gathers(graph: fx.Graph) -> list[_Gather]:
     for node in graph.nodes:
         if node.target is _torch_private.ALL_GATHER:
             for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
-                overlap.sink_casts(wait)  # the gathered weight's views move down to the matmul
+                moves.sink_casts(wait)  # the gathered weight's views move down to the matmul
     order = {n: k for k, n in enumerate(graph.nodes)}
     found = []
     for node in graph.nodes:
@@ -60,7 +62,7 @@ def _gathers(graph: fx.Graph) -> list[_Gather]:
         chain = _placeholder_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or not users[0].users:
             continue
-        if chain is None or overlap.meta_value(node.args[0]) is None or overlap.meta_value(users[0]) is None:
+        if chain is None or moves.meta_value(node.args[0]) is None or moves.meta_value(users[0]) is None:
             continue
         found.append(_Gather(node, users[0], chain, order))
     return sorted(found, key=lambda g: order[g.first_use])
@@ -110,7 +112,7 @@ def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node) -> 
     return done.prev
 
 
-def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = overlap.DEFAULT_BUCKET_MB) -> int:
+def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCKET_MB) -> int:
     """Packs the parameter all-gathers of ``gm`` (FSDP's, stage 2 rule 3) into buckets of at
     most ``bucket_mb`` gathered, in the order the step first uses them; bucket 0 is issued at
     the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
@@ -124,7 +126,7 @@ def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = overlap.DEFA
             current.append(item)
         else:
             buckets.append([item])
-    after = overlap.last_placeholder(gm.graph)
+    after = moves.last_placeholder(gm.graph)
     for bucket in buckets:
         after = _rewrite_gathers(gm.graph, bucket, after)
     gm.graph.lint()

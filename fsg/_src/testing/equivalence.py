@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from fsg._src import tree
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
-from fsg._src.sharding import Rules
-from fsg._src.step import compile_step
+from fsg._src.rules import Rules
+from fsg._src.runtime.compile_step import compile_step
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

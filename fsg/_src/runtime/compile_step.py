@@ -1,0 +1,110 @@
+"""``fsg.compile_step``: the one entry point, and the documentation of every option."""
+
+from __future__ import annotations
+
+from fsg._src.mesh import Mesh, P
+from fsg._src.optim._base import GradientTransformation
+from fsg._src.precision import Policy
+from fsg._src.rules import Rules
+from fsg._src.runtime.step import LossFn, Step
+
+
+def compile_step(
+    loss_fn: LossFn,
+    mesh: Mesh | None = None,
+    *,
+    optimizer: GradientTransformation,
+    param_sharding: Rules | None = None,
+    batch_sharding: P | None = None,
+    precision: Policy | None = None,
+    accum_steps: int = 1,
+    backend: str = "inductor",
+    donate: bool = True,
+    strict: bool = False,
+    fused_optimizer: bool | None = None,
+    cuda_graph: bool | None = None,
+    bucket_mb: float | None = 25.0,
+    verify: bool = False,
+) -> Step:
+    """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
+
+    Tracing happens at the first call, on the abstract values (shapes, dtypes) of the state
+    and batch; later calls with the same signature replay the compiled graph. A new signature
+    traces and compiles again, with a ``RecompileWarning`` naming the leaf that changed.
+
+    ``loss_fn`` has global semantics (as under ``jax.jit``): it is written as if everything
+    lived on one device; the mesh and specs change where work runs and which collectives are
+    issued, not the result.
+
+    Args:
+      loss_fn: a pure ``loss_fn(params, batch)`` returning a 0-d loss tensor or
+        ``(loss, aux)`` with ``aux`` a dict of tensors (reported as metrics). It may not
+        mutate its inputs nor read tensor values on the host (``.item()``, ``if x > 0``).
+      mesh: an ``fsg.Mesh``; ``None`` (or a mesh of size 1) runs on one device.
+      optimizer: a ``fsg.optim.GradientTransformation``.
+      param_sharding: ``fsg.sharding`` rules giving each parameter's spec; default replicated.
+      batch_sharding: the spec of every batch leaf; default ``P("dp")`` (dim 0 over the
+        ``dp`` axis) when the mesh has a ``dp`` axis. The axes it names are the data axes.
+        Pass batches as global tensors (each rank keeps its slice) or as DTensors.
+      precision: an ``fsg.Policy``: the dtype params and optimizer state live in, and the
+        dtype the loss computes in (default: float32 for both).
+      accum_steps: split each batch into this many microbatches along dim 0 and average
+        their gradients, loss and aux in the one graph (gradient accumulation).
+      backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
+      donate: update the state in place (no second copy of params and optimizer state);
+        the state passed in is returned, updated.
+      strict: raise ``RecompileError`` instead of recompiling when the signature changes.
+      fused_optimizer: replace the traced ``fsg.optim.adamw`` update by the fused Triton
+        kernel (one launch per dtype group, in place; on a mesh each rank updates its own
+        pieces after the gradient reductions). ``None`` (default): on CUDA, when the optimizer
+        is ``adamw`` or ``adam`` and ``donate=True``; ``True``: always (also
+        on CPU, under ``TRITON_INTERPRET=1`` or via its eager reference), raising if it
+        cannot; ``False``: never.
+      cuda_graph: replay the whole compiled step as one CUDA graph from its third call on
+        (call 1 compiles, call 2 warms up and captures). ``None`` (default): whenever the
+        state and batch are on CUDA, on one device, with ``donate=True``; ``True``: raise if
+        it cannot, and replay on a mesh too, NCCL collectives inside the graph
+        (experimental); ``False``: never. The batch is copied into the graph's own buffers; a
+        state in other storages (a restored checkpoint) is captured again.
+      bucket_mb: on a mesh, pack gradient all-reduces (and FSDP's reduce-scatters) into
+        buckets of at most this many MiB and issue each as soon as its last gradient is
+        computed, so that reductions overlap the rest of the backward (as DDP's
+        ``bucket_cap_mb``); FSDP's parameter all-gathers are packed the same way and each
+        bucket is gathered while the previous one's layers compute. ``None`` or 0: one
+        collective per tensor, where stage 2 placed it.
+      verify: on a mesh, check the first step against the unsharded step before running it
+        (``fsg.testing.verify_step``: both in float64, every metric and state leaf compared)
+        and raise ``fsg.VerificationError`` naming the first leaf that differs. Costs two
+        extra traces at the first call; nothing after.
+
+    Returns:
+      A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
+
+    Example:
+      >>> model = torch.nn.Linear(4, 1)
+      >>> def loss_fn(params, batch):
+      ...     return ((fsg.apply(model, params, batch["x"]) - batch["y"]) ** 2).mean()
+      >>> step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-2), backend="aot_eager")
+      >>> state = step.init(fsg.params(model))
+      >>> state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 1)})
+      >>> sorted(metrics)
+      ['grad_norm', 'loss', 'lr']
+    """
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"compile_step: mesh must be an fsg.Mesh or None, got {type(mesh).__name__}")
+    return Step(
+        loss_fn,
+        optimizer,
+        backend=backend,
+        donate=donate,
+        strict=strict,
+        mesh=mesh,
+        param_sharding=param_sharding,
+        batch_sharding=batch_sharding,
+        precision=precision,
+        accum_steps=accum_steps,
+        fused_optimizer=fused_optimizer,
+        cuda_graph=cuda_graph,
+        bucket_mb=bucket_mb,
+        verify=verify,
+    )
