@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import fx
 
+import fsg
 from fsg._src import _torch_private
 from fsg._src.errors import FsgError, PassInvariantError
-from fsg._src.passes import CHECK_ENV, defer, facts, invariants, run_pass
+from fsg._src.passes import CHECK_ENV, defer, facts, invariants, pipeline, run_pass
 
 aten = torch.ops.aten
 AR, WAIT = _torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR
@@ -294,3 +295,67 @@ def test_the_test_suite_runs_with_the_checker_on():
     import os
 
     assert os.environ.get(CHECK_ENV) == "1"
+
+
+# -- the pipeline (passes/pipeline.py) ------------------------------------------------------
+
+
+def _noop(name, after=()):
+    return pipeline.Pass(name, lambda gm, o: name, lambda o: True, after)
+
+
+def test_pipeline_orders_passes_by_their_requirements_and_declaration():
+    a, b, c, d = _noop("a"), _noop("b", after=("c",)), _noop("c"), _noop("d", after=("a", "b"))
+    assert [p.name for p in pipeline.order([d, b, a, c])] == ["a", "c", "b", "d"]
+    assert [p.name for p in pipeline.order([_noop("e", after=("fuse_adamw",))])] == ["e"]  # a pass not run is no wait
+    with pytest.raises(ValueError, match="wait for each other"):
+        pipeline.order([_noop("x", after=("y",)), _noop("y", after=("x",))])
+    with pytest.raises(ValueError, match="which no pass is called"):
+        pipeline.order([_noop("x", after=("no_such_pass",))])
+
+
+def test_the_declared_order_is_the_order_the_passes_need():
+    everything = pipeline.Options(adamw=object(), on_mesh=True, bucket_mb=25.0)
+    names = [p.name for p in pipeline.order([p for p in pipeline.PASSES if p.applies(everything)])]
+    assert names == [
+        "fuse_adamw", "strip_markers", "bucket_parameter_gathers", "bucket_gradient_collectives",
+        "update_on_arrival", "defer_small_collectives",
+    ]  # fmt: skip
+    assert [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())] == []
+
+
+def _erase_relu(gm, options):
+    relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+    relu.replace_all_uses_with(relu.args[0])
+    gm.graph.erase_node(relu)
+    gm.recompile()
+    return 1
+
+
+def test_the_pipeline_rewrites_a_copy_and_keeps_its_input():
+    graph = fx.Graph()
+    x = _placeholder(graph, "x", (3,))
+    graph.output((_op(graph, aten.mul.Tensor, _op(graph, aten.relu.default, x, shape=(3,)), x, shape=(3,)),))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    before = gm.print_readable(print_output=False)
+    rewrite = pipeline.Pass("erase_relu", _erase_relu, lambda o: True)
+    out, results = pipeline.run(gm, pipeline.Options(), passes=(rewrite,))
+    assert out is not gm and results == {"erase_relu": 1}
+    assert gm.print_readable(print_output=False) == before
+    assert out.print_readable(print_output=False) != before
+    assert pipeline.run(gm, pipeline.Options(), passes=())[0] is gm  # nothing applies: no copy
+
+
+def test_lower_shows_each_stage():
+    model = torch.nn.Linear(4, 2)
+    step = fsg.compile_step(
+        lambda p, b: ((fsg.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=fsg.optim.adamw(1e-2),
+        fused_optimizer=True, backend="eager",
+    )  # fmt: skip
+    state = step.init(fsg.params(model))
+    lowered = step.lower(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
+    assert set(lowered.stages) == {"traced", "optimized"}
+    assert "fused_adamw" in lowered.as_text() and "fused_adamw" not in lowered.as_text("traced")
+    assert lowered.stages["optimized"] is lowered.graph_module
+    with pytest.raises(ValueError, match="no stage 'sharded'"):
+        lowered.as_text("sharded")

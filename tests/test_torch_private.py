@@ -132,3 +132,23 @@ def test_aliased_args_finds_views_and_returned_writes():
 def test_arg_names_are_the_schemas():
     assert _torch_private.arg_names(torch.ops.aten.add.out) == ("self", "other", "alpha", "out")
     assert _torch_private.arg_names(len) == ()
+
+
+def test_op_name_and_view_base():
+    assert _torch_private.op_name(torch.ops.aten.mm.default) == "aten.mm"
+    assert _torch_private.op_name(torch.ops._c10d_functional.wait_tensor.default) == "_c10d_functional.wait_tensor"
+    x = torch.randn(4)
+    assert _torch_private.view_base(x[1:]) is x and _torch_private.view_base(x) is x
+
+
+def test_copy_graph_module_copies_nodes_and_keeps_constants_and_meta():
+    const = torch.arange(3.0)
+    gm = _torch_private.trace_fake(lambda x: (x * const).sum(), torch.randn(3))
+    copy = _torch_private.copy_graph_module(gm)
+    assert copy.graph is not gm.graph
+    assert [n.name for n in copy.graph.nodes] == [n.name for n in gm.graph.nodes]
+    assert all(a.meta.get("val") is b.meta.get("val") for a, b in zip(copy.graph.nodes, gm.graph.nodes))
+    x = torch.randn(3)
+    assert torch.equal(copy(x)[0] if isinstance(copy(x), tuple) else copy(x), gm(x)[0] if isinstance(gm(x), tuple) else gm(x))
+    next(n for n in copy.graph.nodes if n.op == "call_function").meta["touched"] = True
+    assert not any(n.meta.get("touched") for n in gm.graph.nodes)

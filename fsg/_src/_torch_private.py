@@ -7,10 +7,12 @@ fails one test, not the whole library.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
 import torch
+from torch import fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -192,3 +194,14 @@ def inductor_compile(
     return torch._inductor.standalone_compile(
         gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options
     )
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph a pass may rewrite without touching ``gm``'s: the nodes
+    are new, their metadata (fake values, stack traces) shared, constants shared with ``gm``.
+    Keeps the graph's code generator (``Graph._codegen``, private: how inputs and outputs
+    are flattened)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    return fx.GraphModule(gm, graph)

@@ -153,19 +153,23 @@ def test_default_is_off_on_cpu():
     assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
 
 
-def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch):
+def test_a_failed_fusion_in_default_mode_traces_the_real_update(monkeypatch, caplog):
     """By default the step traces a stand-in for AdamW's math when the fused kernel will take
-    over; if the fusion pass then refuses the graph, the real math is traced again (the
-    stand-in's graph alone would not train)."""
+    over; if the fusion pass then refuses the graph, the log says why and the real math is
+    traced again (the stand-in's graph alone would not train)."""
 
     def refuse(*args, **kwargs):
         raise fsg.UnsupportedError("fused AdamW: refused for this test")
 
     monkeypatch.setattr(fusion, "fuse_adamw", refuse)
-    monkeypatch.setattr(fsg._src.runtime.build.Builder, "fuse_optimizer", lambda self, state: True)
+    monkeypatch.setattr(
+        fsg._src.runtime.build.Builder, "fusion_plan", lambda self, state: fusion.plan(self._optimizer, state, donate=True)
+    )
     step, state = _step(None)
     plain, plain_state = _step(False)
-    assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
+    with caplog.at_level("WARNING", logger="fsg"):
+        assert "fused_adamw" not in step.lower(state, regression_batch()).as_text()
+    assert "the fused AdamW refused this step (fused AdamW: refused for this test)" in caplog.text
     for i in range(3):
         state, m = step(state, regression_batch(seed=i))
         plain_state, pm = plain(plain_state, regression_batch(seed=i))

@@ -11,13 +11,12 @@ correction need no host sync.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, NamedTuple
 
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, tree
+from fsg._src import tree
 from fsg._src.errors import UnsupportedError
 from fsg._src.kernels import adamw as adamw_kernel  # noqa: F401 - registers fsg::fused_adamw_
 from fsg._src.optim._base import AdamWSpec, EmptyState, GradientTransformation, chain
@@ -35,33 +34,57 @@ def adamw_spec(optimizer: Any) -> AdamWSpec | None:
     return spec if isinstance(spec, AdamWSpec) else None
 
 
-class _AdamWLeaves(NamedTuple):
-    """Where adamw's tensors sit among the flat state leaves."""
+class AdamWPlan(NamedTuple):
+    """What the pass needs, as data: the optimizer's spec, where its tensors sit among the
+    flat state leaves (stage 1's leaf layout) and each param's resolved weight decay."""
 
-    leaves: list
+    spec: AdamWSpec
     params: list[int]
     mus: list[int]
     nus: list[int]
     count: int  # the Adam update count
     learning_rate: int  # the learning rate of the last update
+    weight_decays: list[float]
 
 
-def _adamw_leaves(state: Any) -> _AdamWLeaves:
+def plan(optimizer: Any, state: Any, *, donate: bool) -> AdamWPlan | str:
+    """The plan for replacing the traced update of ``optimizer`` on ``state`` by the fused
+    kernel, or the reason it cannot be."""
+    spec = adamw_spec(optimizer)
+    if spec is None:
+        return "the optimizer is not fsg.optim.adam or fsg.optim.adamw (a chain around one is traced as math)"
+    if not donate:
+        return "donate=False (the fused kernel updates the state in place)"
     leaves, state_def = tree.flatten(state)
     index = tree.unflatten(state_def, list(range(len(leaves))))
     adam, *_, lr_state = index.opt_state  # chain(scale_by_adam, [add_decayed_weights,] scale_by_lr)
-    ids = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
-    return _AdamWLeaves(leaves, *ids, adam.count, lr_state.learning_rate)
+    params, mus, nus = (tree.flatten(x)[0] for x in (index.params, adam.mu, adam.nu))
+    names = tree.leaf_paths(state.params, "state.params")
+    for name, i, m, v in zip(names, params, mus, nus):
+        for t in (leaves[i], leaves[m], leaves[v]):
+            if t.dtype not in _FUSABLE_DTYPES:
+                return f"{name} has dtype {t.dtype} (the kernel takes float32, bfloat16, float16)"
+            if not t.is_contiguous():
+                return f"{name} (or its optimizer state) is not contiguous"
+    flags = tree.flatten(spec.mask(state.params) if callable(spec.mask) else spec.mask)[0] if spec.mask else None
+    decays = [spec.weight_decay if flags is None or flags[k] else 0.0 for k in range(len(params))]
+    return AdamWPlan(spec, params, mus, nus, adam.count, lr_state.learning_rate, decays)
 
 
-def stand_in(optimizer: Any) -> Any:
+def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
+    """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
+    (``None`` when it can)."""
+    found = plan(optimizer, state, donate=donate)
+    return found if isinstance(found, str) else None
+
+
+def stand_in(spec: AdamWSpec) -> Any:
     """A transformation to trace in place of ``fsg.optim.adamw`` when ``fuse_adamw`` will
     replace its update: the same state structure and the same update count and learning rate
     (which the fused node reads), but new moments and params that are mere copies of the
     gradient, a few graph nodes per param instead of the ~15 of Adam's math. Tracing the real
     math only for the pass to delete it was a third of stage 1 for GPT-2. Its graph is only
     correct once ``fuse_adamw`` has rewritten it."""
-    spec = adamw_spec(optimizer)
     adam = scale_by_adam(b1=spec.b1, b2=spec.b2, eps=spec.eps)
 
     def adam_update(updates, state, params=None):
@@ -72,28 +95,10 @@ def stand_in(optimizer: Any) -> Any:
     return chain(GradientTransformation(adam.init, adam_update), *decay, scale_by_learning_rate(spec.learning_rate))
 
 
-def why_not_fusable(optimizer: Any, state: Any, *, donate: bool) -> str | None:
-    """Why the fused AdamW cannot replace the traced update of ``optimizer`` on ``state``
-    (``None`` when it can)."""
-    if adamw_spec(optimizer) is None:
-        return "the optimizer is not fsg.optim.adam or fsg.optim.adamw (a chain around one is traced as math)"
-    if not donate:
-        return "donate=False (the fused kernel updates the state in place)"
-    at = _adamw_leaves(state)
-    names = tree.leaf_paths(state.params, "state.params")
-    for name, i, m, v in zip(names, at.params, at.mus, at.nus):
-        for t in (at.leaves[i], at.leaves[m], at.leaves[v]):
-            if t.dtype not in _FUSABLE_DTYPES:
-                return f"{name} has dtype {t.dtype} (the kernel takes float32, bfloat16, float16)"
-            if not t.is_contiguous():
-                return f"{name} (or its optimizer state) is not contiguous"
-    return None
-
-
 _SAME_SHAPE_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default)
 
 
-def _through_views(node: fx.Node) -> fx.Node:
+def through_views(node: fx.Node) -> fx.Node:
     """The node under a chain of shape-preserving views (stage 2 writes a donated leaf
     through ``view(placeholder)``, the local tensor of a ``DTensor.from_local``)."""
     while (
@@ -112,7 +117,7 @@ def _without_upcast(grad: fx.Node) -> fx.Node:
     """The bf16 (or fp16) tensor under a cast of a gradient to float32 (a gradient reduced in
     ``Policy.reduce=torch.bfloat16`` is cast back): the kernel reads any gradient dtype and
     computes in float32, so it gives the same update without the cast's extra pass."""
-    node = _through_views(grad)
+    node = through_views(grad)
     if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
         return grad
     source, value = node.args[0], node.meta.get("val")
@@ -130,20 +135,19 @@ def _without_upcast(grad: fx.Node) -> fx.Node:
     return grad
 
 
-def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
+def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
     """Rewrites ``gm`` (a donated stage-1 graph that still has its ``fsg::grad`` markers) to
     update params and moments with one ``fsg::fused_adamw_`` node. Returns how many param
     leaves it covers; raises ``UnsupportedError`` if the graph does not have the expected
     shape (the traced math is then left as it was)."""
-    spec = adamw_spec(optimizer)
-    at = _adamw_leaves(state)
+    spec = at.spec
     p_ids, mu_ids, nu_ids = at.params, at.mus, at.nus
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     copies = {}  # placeholder -> the copy_ that writes its new value
     for n in graph.nodes:
         if n.op == "call_function" and n.target is _COPY:
-            dst = _through_views(n.args[0])
+            dst = through_views(n.args[0])
             if dst.op == "placeholder":
                 copies[dst] = n
     grads = {n.args[1]: n.args[0] for n in graph.nodes if n.op == "call_function" and n.target is markers.GRAD}
@@ -158,8 +162,7 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
     grads = {k: _without_upcast(g) for k, g in grads.items()}
     lr_copy = copies.get(placeholders[at.learning_rate])
     lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
-    flags = tree.flatten(spec.mask(state.params) if callable(spec.mask) else spec.mask)[0] if spec.mask else None
-    wds = [spec.weight_decay if flags is None or flags[k] else 0.0 for k in range(len(p_ids))]
+    wds = at.weight_decays
     order = {n: k for k, n in enumerate(graph.nodes)}
     first = min((copies[n] for n in needed), key=order.__getitem__)
     with graph.inserting_before(first):
@@ -183,100 +186,3 @@ def fuse_adamw(gm: fx.GraphModule, state: Any, optimizer: Any) -> int:
     graph.eliminate_dead_code()
     gm.recompile()
     return len(p_ids)
-
-
-def _arrival(grad: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The ``wait_tensor`` a gradient comes out of (through the bucket's split and views) and
-    the nodes on the way, from the wait down; ``(None, [])`` if it is not a collective's result."""
-    chain = [grad]
-    node = grad
-    while node.op == "call_function" and node.target is not _torch_private.WAIT_TENSOR:
-        inputs = node.all_input_nodes
-        if len(inputs) != 1:
-            return None, []
-        node = inputs[0]
-        chain.append(node)
-    if node.op != "call_function":
-        return None, []
-    return node, chain[::-1]
-
-
-def _sink_readers(graph: fx.Graph, node: fx.Node, chains: list[fx.Node], mutated: set[fx.Node]) -> bool:
-    """Moves the pure readers of the reduced gradients that sit before the fused update
-    ``node`` (a gradient-norm metric) to just after it, so that waits can move down to their
-    own bucket's update. Refuses (returns False, moving nothing) if one of them mutates
-    something or reads a tensor the update writes."""
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    inside = set(chains)
-    readers: dict[fx.Node, None] = {}
-    frontier = list(chains)
-    while frontier:
-        for user in frontier.pop().users:
-            if user is node or user in inside or user in readers or order[user] > order[node]:
-                continue
-            readers[user] = None
-            frontier.append(user)
-    for reader in readers:
-        target = reader.target
-        pure = reader.op == "call_function" and (target is operator.getitem or _torch_private.is_pure_op(target))
-        args = [a for a in tree.flatten((reader.args, reader.kwargs))[0] if isinstance(a, fx.Node)]
-        if not pure or any(_through_views(a) in mutated for a in args):
-            return False
-    anchor = node.next
-    for reader in sorted(readers, key=order.__getitem__):
-        anchor.prepend(reader)
-    return True
-
-
-def update_on_arrival(gm: fx.GraphModule) -> int:
-    """Splits the one ``fsg::fused_adamw_`` node of a bucketed per-rank graph into one per
-    bucket, in the order the buckets' collectives were issued, each right after its bucket's
-    wait: the params of early buckets are updated while the last reductions (on NCCL, the
-    embedding's, computed last in the backward) are still in flight, instead of after them.
-    AdamW is elementwise per tensor, so the result is the same. Readers of the gradients that
-    the update does not need (a gradient-norm metric) move after the updates. Returns the
-    number of fused nodes after the split."""
-    graph = gm.graph
-    fused = [n for n in graph.nodes if n.op == "call_function" and n.target is FUSED_ADAMW]
-    if len(fused) != 1:
-        return len(fused)
-    node = fused[0]
-    params, grads, mus, nus, count, lr, b1, b2, eps, wds = node.args
-    groups: dict[fx.Node | None, list[int]] = {}
-    chains: dict[fx.Node | None, dict[fx.Node, None]] = {}  # ordered sets
-    for k, grad in enumerate(grads):
-        wait, chain = _arrival(grad)
-        groups.setdefault(wait, []).append(k)
-        chains.setdefault(wait, {}).update(dict.fromkeys(chain))
-    if len(groups) < 2:
-        return 1
-    all_chains = [n for chain in chains.values() for n in chain]
-    sunk = _sink_readers(graph, node, all_chains, {*params, *mus, *nus})
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    keys = sorted(groups, key=lambda w: -1 if w is None else order[w.args[0]])  # issue order
-    for wait in keys:
-        ks = groups[wait]
-        moved = sorted(chains[wait], key=order.__getitem__)
-        if sunk and all(order[u] > order[node] or u in chains[wait] or u is node for n in moved for u in n.users):
-            for n in moved:  # its wait and split just before its update, after the earlier updates
-                node.prepend(n)
-        with graph.inserting_before(node):
-            graph.call_function(
-                FUSED_ADAMW,
-                (
-                    [params[k] for k in ks],
-                    [grads[k] for k in ks],
-                    [mus[k] for k in ks],
-                    [nus[k] for k in ks],
-                    count,
-                    lr,
-                    b1,
-                    b2,
-                    eps,
-                    [wds[k] for k in ks],
-                ),
-            )
-    graph.erase_node(node)
-    graph.lint()
-    gm.recompile()
-    return len(keys)

@@ -19,11 +19,11 @@ from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
-from fsg._src.passes import buckets, defer, prefetch, run_pass
 from fsg._src.passes import fuse_adamw as fusion
+from fsg._src.passes import pipeline
 from fsg._src.precision import Policy
 from fsg._src.sharding import op_support, placement, spmd
-from fsg._src.trace import markers, purity
+from fsg._src.trace import purity
 from fsg._src.trace import tracing as trace_lib
 
 log = logging.getLogger("fsg")
@@ -31,9 +31,10 @@ log = logging.getLogger("fsg")
 
 class Built(NamedTuple):
     traced: trace_lib.TracedStep  # stage 1: the global graph
-    graph: Any  # the graph to compile: stage 1's, or stage 2's local graph on a mesh
+    graph: Any  # stage 3's output, what stage 4 compiles
     fn: Any  # stage 4: the compiled callable (set by Step)
     plan: spmd.ShardPlan | None
+    stages: dict[str, Any]  # each stage's graph by name: "traced", "sharded" (on a mesh), "optimized"
 
 
 class Builder:
@@ -63,29 +64,30 @@ class Builder:
         self._bucket_mb = bucket_mb
 
     def build(self, state: Any, batch: Any) -> Built:
-        """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes) for this state and
-        batch. When the fused AdamW kernel will replace the optimizer update, stage 1 traces
-        a stand-in for the update's math (``fusion.stand_in``); should the fusion pass then
-        refuse the graph, everything is traced again with the real math."""
+        """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes, ``passes/pipeline.py``)
+        for this state and batch. When the fused AdamW kernel will replace the optimizer
+        update, stage 1 traces a stand-in for the update's math (``fuse_adamw.stand_in``);
+        should the fusion pass then refuse the graph, it says why in the log and everything is
+        traced again with the real math."""
         build = self._local if self._mesh is None else self._mesh_build
-        fuse = self.fuse_optimizer(state)
-        built = build(state, batch, fusion.stand_in(self._optimizer) if fuse else self._optimizer, fuse)
-        # stage 3; run_pass checks each pass's invariants under FSG_CHECK_PASSES=1
-        if fuse:
-            try:
-                run_pass("fuse_adamw", fusion.fuse_adamw, built.graph, state, self._optimizer)
-                run_pass("strip_markers", markers.strip, built.graph)
-            except UnsupportedError:
-                if self._fused_optimizer:  # asked for; by default the traced math runs
-                    raise
-                built, fuse = build(state, batch, self._optimizer, False), False
-        if self._mesh is not None and self._bucket_mb:  # bucket and place the collectives
-            run_pass("bucket_parameter_gathers", prefetch.bucket_parameter_gathers, built.graph, self._bucket_mb)
-            run_pass("bucket_gradient_collectives", buckets.bucket_gradient_collectives, built.graph, self._bucket_mb)
-            if fuse:  # update each bucket's params as soon as its reduction lands
-                run_pass("update_on_arrival", fusion.update_on_arrival, built.graph)
-            run_pass("defer_small_collectives", defer.defer_small_collectives, built.graph)
-        return built
+        adamw = self.fusion_plan(state)
+        graph = build(state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None)
+        on_mesh = self._mesh is not None
+        try:
+            return self._optimize(graph, pipeline.Options(adamw, on_mesh, self._bucket_mb))
+        except UnsupportedError as exc:
+            if adamw is None or self._fused_optimizer:  # asked for the fused kernel: no fallback
+                raise
+            log.warning("fsg: stage 3: the fused AdamW refused this step (%s); tracing the update's math instead", exc)
+        graph = build(state, batch, self._optimizer, False)
+        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb))
+
+    def _optimize(self, built: Built, options: pipeline.Options) -> Built:
+        t0 = time.perf_counter()
+        graph, results = pipeline.run(built.graph, options)
+        if results:
+            log.info("fsg: stage 3: %s in %.1f s", ", ".join(f"{k} ({v})" for k, v in results.items()), time.perf_counter() - t0)
+        return built._replace(graph=graph, stages={**built.stages, "optimized": graph})
 
     def _local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:
         """Stage 1 on one device (``mark_grads``: for the fusion pass, which finds the
@@ -103,7 +105,7 @@ class Builder:
         )
         n = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
-        return Built(traced, traced.graph_module, None, None)
+        return Built(traced, traced.graph_module, None, None, {"traced": traced.graph_module})
 
     def _mesh_build(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:
         plan = placement.make_plan(state, batch, self._batch_sharding, self._mesh)
@@ -155,14 +157,17 @@ class Builder:
             raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
         n_local = len(local.graph.nodes)
         log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
-        return Built(traced, local, None, plan)
+        return Built(traced, local, None, plan, {"traced": traced.graph_module, "sharded": local})
 
-    def fuse_optimizer(self, state: Any) -> bool:
-        """Whether stage 3 swaps in the fused AdamW kernel: by default on CUDA whenever it
-        applies; ``fused_optimizer=True`` insists (and says why it cannot), ``False`` never."""
+    def fusion_plan(self, state: Any) -> fusion.AdamWPlan | None:
+        """The fused AdamW's plan when stage 3 will swap in the kernel: by default on CUDA
+        whenever it applies; ``fused_optimizer=True`` insists (and says why it cannot),
+        ``False`` never."""
         if self._fused_optimizer is False:
-            return False
-        reason = fusion.why_not_fusable(self._optimizer, state, donate=self._donate)
-        if self._fused_optimizer and reason is not None:
-            raise UnsupportedError(f"fused_optimizer=True, but {reason}; pass fused_optimizer=None or False")
-        return reason is None and (self._fused_optimizer or state.step.is_cuda)
+            return None
+        found = fusion.plan(self._optimizer, state, donate=self._donate)
+        if isinstance(found, str):
+            if self._fused_optimizer:
+                raise UnsupportedError(f"fused_optimizer=True, but {found}; pass fused_optimizer=None or False")
+            return None
+        return found if self._fused_optimizer or state.step.is_cuda else None

@@ -29,10 +29,11 @@ class Cost(NamedTuple):
 class Lowered:
     """The step graph for one abstract signature of state and batch.
 
-    ``graph_module`` is what gets compiled: on one device the global graph of stage 1; on a
-    mesh the per-rank graph of stage 2, with its collectives (``global_graph`` keeps stage
-    1's). Its inputs are the flat state leaves then the flat batch leaves (local pieces on a
-    mesh); see ``docs/compiling.md`` for what each stage does.
+    ``graph_module`` is what gets compiled (stage 3's output). ``stages`` holds each stage's
+    graph by name: ``"traced"`` (stage 1, the global graph), ``"sharded"`` (stage 2's per-rank
+    graph with its collectives, on a mesh) and ``"optimized"`` (after stage 3's passes, the
+    same object as ``graph_module``). Inputs are the flat state leaves then the flat batch
+    leaves (local pieces on a mesh); see ``docs/compiling.md`` for what each stage does.
     """
 
     def __init__(
@@ -42,15 +43,20 @@ class Lowered:
         *,
         global_graph: fx.GraphModule | None = None,
         mesh: Any = None,
+        stages: dict[str, fx.GraphModule] | None = None,
     ):
         self.graph_module = graph_module
         self.global_graph = graph_module if global_graph is None else global_graph
+        self.stages = dict(stages) if stages else {"traced": self.global_graph, "optimized": graph_module}
         self._example_inputs = example_inputs
         self._mesh = mesh
 
-    def as_text(self) -> str:
-        """The graph as readable Python, one aten op per line, with shapes."""
-        return self.graph_module.print_readable(print_output=False)
+    def as_text(self, stage: str = "optimized") -> str:
+        """A stage's graph (``"traced"``, ``"sharded"`` on a mesh, or ``"optimized"``: what
+        gets compiled) as readable Python, one aten op per line, with shapes."""
+        if stage not in self.stages:
+            raise ValueError(f"no stage {stage!r} in this step; it has {list(self.stages)}")
+        return self.stages[stage].print_readable(print_output=False)
 
     def collectives(self) -> list:
         """The step's collectives as rows ``(kind, axis, bytes, count)``, one per kind and

@@ -273,4 +273,6 @@ class Step:
             inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
                 batch_leaves, built.plan.batch_placements, self._mesh
             )
-        return Lowered(built.graph, inputs, global_graph=built.traced.graph_module, mesh=self._mesh)
+        return Lowered(
+            built.graph, inputs, global_graph=built.traced.graph_module, mesh=self._mesh, stages=built.stages
+        )
