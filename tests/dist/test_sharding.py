@@ -244,3 +244,8 @@ def test_a_step_with_collectives_keeps_its_order_through_inductor(ranks):
     on_mesh = ranks(2).run(workers.inductor_options, {"dp": 2})
     assert on_mesh == [{"config_patches": {"reorder_for_peak_memory": False}}] * 2
     assert workers.inductor_options(None) is None
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_batch_norm_running_statistics_on_a_data_mesh_match_unsharded(ranks, preset):
+    ranks(2).run(workers.check_batch_norm_running_stats, {"dp": 2}, preset)

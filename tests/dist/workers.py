@@ -465,3 +465,25 @@ def small_collective_order() -> dict:
         "first_matmul": matmuls[0],
         "last_matmul": matmuls[-1],
     }
+
+
+def check_batch_norm_running_stats(axes: dict, preset: str) -> None:
+    """A Linear + BatchNorm1d (running statistics tracked) + Linear under ``preset`` with the
+    batch sharded: losses, params and the running statistics equal the unsharded step's
+    (global-batch statistics, as SyncBatchNorm)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+    )
+
+    def loss_fn(params, batch, buffers):
+        out = fsg.apply(model, params, batch["x"], buffers=buffers)
+        return ((out - batch["y"]) ** 2).mean()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 4, generator=g) * 3 + 1, "y": torch.randn(16, 2, generator=g)} for _ in range(3)]
+    fsg.testing.assert_sharded_matches_unsharded(
+        loss_fn, fsg.params(model), batches, fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+        param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"), buffers=fsg.buffers(model),
+        rtol=1e-5, atol=1e-6,
+    )  # fmt: skip

@@ -30,10 +30,12 @@ def assert_sharded_matches_unsharded(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     backend: str = "eager",
+    buffers: Any = None,
     **step_options: Any,
 ) -> None:
     """Runs the step sharded on ``mesh`` and unsharded, batch by batch, and asserts that the
-    losses, parameters and optimizer state agree within ``rtol``/``atol`` after every step.
+    losses, parameters, optimizer state and ``buffers`` (e.g. ``fsg.buffers(model)``: BatchNorm's
+    running statistics) agree within ``rtol``/``atol`` after every step.
 
     Call it on every rank (e.g. under ``torchrun`` or ``fsg.testing.MultiRank``).
     ``step_options`` (``precision=``, ``accum_steps=``) go to both ``compile_step`` calls.
@@ -59,7 +61,7 @@ def assert_sharded_matches_unsharded(
         **step_options,
     )
     single = compile_step(loss_fn, optimizer=optimizer, backend=backend, **step_options)
-    state, ref = sharded.init(params), single.init(params)
+    state, ref = sharded.init(params, buffers=buffers), single.init(params, buffers=buffers)
     for i, batch in enumerate(batches):
         state, metrics = sharded(state, batch)
         ref, ref_metrics = single(ref, batch)

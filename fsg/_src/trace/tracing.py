@@ -117,11 +117,12 @@ def train_step(
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
     inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
     micro = microbatches(batch, accum_steps)
+    # The loss's modules update buffers in place (BatchNorm's running statistics): on copies,
+    # which become the new state, so the step's inputs are written only by donation.
+    buffers = tree.tree_map(torch.clone, state.buffers)  # trace() drops the copies never written
     loss, aux, sums = None, {}, [None] * len(inputs)
     for mb in micro:  # unrolled: each microbatch's activations die after its backward
-        mb_loss, mb_aux, mb_grads = _loss_and_grads(
-            loss_fn, inputs, params_def, mb, state.buffers, precision, mark_uses
-        )
+        mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses)
         loss = mb_loss.float() if loss is None else loss + mb_loss.float()
         aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
         sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
@@ -149,8 +150,40 @@ def train_step(
             )
         metrics[name] = value.detach()
     rng = torch.cat([state.rng[:1], state.rng[1:] + 1])  # (seed, counter + 1)
-    new_state = TrainState(state.step + 1, params, opt_state, rng, state.buffers)
+    new_state = TrainState(state.step + 1, params, opt_state, rng, buffers)
     return new_state, metrics
+
+
+def _written(node: fx.Node) -> bool:
+    """Whether an op writes ``node``'s tensor, directly or through views (from op schemas)."""
+    frontier, seen = [node], {node}
+    while frontier:
+        n = frontier.pop()
+        for user in n.users:
+            args = list(user.args)
+            if any(i < len(args) and args[i] is n for i in _torch_private.mutated_args(user.target)):
+                return True
+            views = _torch_private.aliased_args(user.target)
+            if any(i < len(args) and args[i] is n for i in views) and user not in seen:
+                seen.add(user)
+                frontier.append(user)
+    return False
+
+
+def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
+    """With donation, a buffer the step never writes needs no copy: ``clone(x)`` then
+    ``copy_(x, clone)`` becomes ``x``. (``train_step`` hands the loss copies of the buffers,
+    since it cannot know before tracing which ones a module updates in place.)"""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        is_copy = isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default and src.args[0] is dst
+        if dst.op == "placeholder" and is_copy and not node.users and not _written(src):
+            gm.graph.erase_node(node)
+            src.replace_all_uses_with(dst)
+            gm.graph.erase_node(src)
+    gm.recompile()
 
 
 def trace(
@@ -234,4 +267,7 @@ def trace(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
+    if donate:
+        _drop_unwritten_copies(gm)
+    gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)

@@ -1,0 +1,94 @@
+"""Buffers are state: a module's in-place buffer updates (BatchNorm's running statistics) come
+back as the new state, written like params under donation and never into the inputs without
+it (issue 21)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fsg
+from fsg._src import tree
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _loss(model):
+    def loss_fn(params, batch, buffers):
+        out = fsg.apply(model, params, batch["x"], buffers=buffers)
+        return ((out - batch["y"]) ** 2).mean()
+
+    return loss_fn
+
+
+def _batches(n=3, rows=16):
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(rows, 4, generator=g), "y": torch.randn(rows, 1, generator=g)} for _ in range(n)]
+
+
+def _eager(model, batches, lr=0.1):
+    """The same steps in eager PyTorch: SGD on the module, BatchNorm in train mode."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for b in batches:
+        opt.zero_grad()
+        loss = ((model(b["x"]) - b["y"]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_running_statistics_match_eager_pytorch_and_inputs_stay_untouched(donate, accum_steps):
+    model, batches = _model(), _batches()
+    step = fsg.compile_step(_loss(model), optimizer=fsg.optim.sgd(0.1), backend="eager", donate=donate)
+    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    if accum_steps == 2:  # two microbatches of 8 rows each: BatchNorm sees each in turn
+        step = fsg.compile_step(
+            _loss(model), optimizer=fsg.optim.sgd(0.1), backend="eager", donate=donate, accum_steps=2
+        )
+        state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    first = tree.tree_map(torch.clone, state)
+    inputs = state
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(metrics["loss"].item())
+    if not donate:
+        for a, b in zip(tree.flatten(inputs)[0], tree.flatten(first)[0]):
+            assert torch.equal(a, b), "donate=False changed an input leaf"
+    if accum_steps == 1:
+        eager, eager_losses = _eager(model, batches)
+        assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+        for name, value in fsg.buffers(eager).items():
+            torch.testing.assert_close(state.buffers[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert state.buffers["1.num_batches_tracked"].item() == len(batches) * accum_steps
+
+
+def test_donation_writes_buffers_in_place_and_unchanged_buffers_are_not_copied():
+    model = _model()
+
+    def loss_fn(params, batch, buffers):
+        out = fsg.apply(model, params, batch["x"], buffers={k: v for k, v in buffers.items() if k != "scale"})
+        return ((out * buffers["scale"] - batch["y"]) ** 2).mean()
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager")
+    buffers = {**fsg.buffers(model), "scale": torch.tensor(2.0)}
+    state = step.init(fsg.params(model), buffers=buffers)
+    mean = state.buffers["1.running_mean"]
+    before = mean.clone()
+    new, _ = step(state, _batches(1)[0])
+    assert new.buffers["1.running_mean"] is mean and not torch.equal(mean, before)  # written in place
+    graph = step.lower(new, _batches(1)[0]).graph_module.graph
+    written = {n.args[0].name for n in graph.nodes if n.target is torch.ops.aten.copy_.default}
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    leaves = tree.leaf_paths(new, "state")
+    scale = placeholders[leaves.index("state.buffers['scale']")]
+    assert scale not in written  # read, never written: no copy
