@@ -152,3 +152,15 @@ def test_copy_graph_module_copies_nodes_and_keeps_constants_and_meta():
     assert torch.equal(copy(x)[0] if isinstance(copy(x), tuple) else copy(x), gm(x)[0] if isinstance(gm(x), tuple) else gm(x))
     next(n for n in copy.graph.nodes if n.op == "call_function").meta["touched"] = True
     assert not any(n.meta.get("touched") for n in gm.graph.nodes)
+
+
+def test_draws_random_reads_the_seeded_tag_and_generator_arguments():
+    """Used by fsg/_src/trace/random.py: random ops it has no keyed version of raise."""
+    assert _torch_private.draws_random(torch.ops.aten.randperm.default)  # tagged nondeterministic_seeded
+    assert _torch_private.draws_random(torch.ops.aten.native_dropout.default)
+    assert _torch_private.draws_random(torch.ops.aten.binomial.default)
+    untagged = getattr(torch.ops.aten, "_no_grad_uniform_", None)  # takes a Generator, has no tag (2.13)
+    assert untagged is None or _torch_private.draws_random(untagged.default)
+    assert not _torch_private.draws_random(torch.ops.aten.mul.Tensor)
+    assert not _torch_private.draws_random(torch.ops.aten.empty_like.default)
+    assert not _torch_private.draws_random("output")

@@ -35,6 +35,7 @@ __all__ = [
     "all_decompositions",
     "arg_names",
     "core_decompositions",
+    "draws_random",
     "dtensor_has_rule",
     "fake_mode",
     "inductor_compile",
@@ -125,6 +126,18 @@ def arg_names(target: Any) -> tuple[str, ...]:
     if not isinstance(target, OpOverload):
         return ()
     return tuple(a.name for a in target._schema.arguments)
+
+
+@functools.cache
+def draws_random(target: Any) -> bool:
+    """Whether an op may draw random numbers: tagged ``nondeterministic_seeded`` (``rand``,
+    ``native_dropout``, attention kernels with a ``dropout_p``) or taking a ``Generator``
+    argument (``random_``, ``binomial``)."""
+    if not isinstance(target, OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return True
+    return any("Generator" in str(a.type) for a in target._schema.arguments)
 
 
 @functools.cache

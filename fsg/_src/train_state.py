@@ -14,8 +14,11 @@ class TrainState(NamedTuple):
       step: 0-d int64 tensor, the number of optimizer updates applied so far.
       params: the parameter pytree (``{name: tensor}`` from ``fsg.params``).
       opt_state: the optimizer's state pytree (``optimizer.init(params)``).
-      rng: int64 tensor ``[seed, counter]``; the counter advances by one every step, so the
-        key of step ``t`` is ``(seed, t)``.
+      rng: int64 tensor ``[seed, counter]``, the key of the step's random ops; the counter
+        advances by one every step, so step ``t`` draws with ``(seed, t)``. Dropout, ``rand``,
+        ``randn``, ``bernoulli``... in the loss are traced as hashes of this key, the op's call
+        index and each element's global index (docs/models.md#randomness): a seed reproduces
+        a run, a restored checkpoint resumes it, a mesh draws what one device draws.
       buffers: non-parameter state (``fsg.buffers``); ``{}`` when the model has none in use.
 
     Being a NamedTuple, it is a pytree for optree and ``torch.utils._pytree`` alike, and

@@ -20,7 +20,7 @@ from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalar
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import markers, purity
+from fsg._src.trace import markers, purity, random
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
@@ -121,11 +121,12 @@ def train_step(
     # which become the new state, so the step's inputs are written only by donation.
     buffers = tree.tree_map(torch.clone, state.buffers)  # trace() drops the copies never written
     loss, aux, sums = None, {}, [None] * len(inputs)
-    for mb in micro:  # unrolled: each microbatch's activations die after its backward
-        mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses)
-        loss = mb_loss.float() if loss is None else loss + mb_loss.float()
-        aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
-        sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
+    with random.Keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
+        for mb in micro:  # unrolled: each microbatch's activations die after its backward
+            mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses)
+            loss = mb_loss.float() if loss is None else loss + mb_loss.float()
+            aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
+            sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
     if accum_steps > 1:  # the mean over microbatches, as the loss over the whole batch
         loss = loss / accum_steps
         aux = {k: v / accum_steps for k, v in aux.items()}
