@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fsg
 from fsg._src.trace import random as keyed
@@ -212,6 +213,24 @@ def test_the_backward_uses_the_forwards_mask():
         touched = new.params["w"] != 1
         assert torch.allclose(new.params["w"][touched], torch.tensor(1 - 0.1 * 2))
         assert float(metrics["loss"]) == 2 * int(touched.sum())
+
+
+def test_attention_dropout_runs_the_math_attention_keyed():
+    """The fused attention kernels (CUDA) draw their dropout inside: attention with dropout runs
+    its math, whatever backend the loss asked for (on CPU, flash with dropout has no kernel)."""
+
+    def loss_fn(params, batch):
+        q = (batch @ params["w"]).unflatten(-1, (2, 8)).transpose(1, 2)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.2).square().mean()
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager", donate=False)
+    state = step.init({"w": torch.eye(16)}, seed=1)
+    batch = torch.linspace(-1, 1, 2 * 4 * 16).reshape(2, 4, 16)
+    first, second = step(state, batch)[1]["loss"], step(state, batch)[1]["loss"]
+    assert torch.equal(first, second) and not torch.equal(
+        first, step(state._replace(rng=torch.tensor([2, 0])), batch)[1]["loss"]
+    )
 
 
 def test_inductor_draws_what_eager_draws():

@@ -2,22 +2,20 @@
 
 Traced as is, a random op in the loss (``F.dropout``, ``torch.rand``, ``bernoulli``...)
 draws from torch's global generator at every replay: not reproducible from ``state.rng``,
-not resumable from a checkpoint, equal across a mesh's ranks only by luck. ``Keyed`` is a
-dispatch mode that ``train_step`` enters under ``make_fx``: it sits above the tracer, so the
-ops it calls in place of a random op are what the graph records, plain tensor math that is a
-pure function of
+not resumable from a checkpoint, equal across a mesh's ranks only by luck. ``train_step``
+traces the loss under ``keyed(rng)``, whose dispatch mode sits above ``make_fx``'s tracer:
+the ops it calls in place of a random op are what the graph records, plain tensor math of
 
-- the step's key: ``state.rng = [seed, counter]`` read as tensors *in the graph* (the graph
-  is traced once and replayed every step, and the counter advances every step);
-- the op's call index in the trace (a constant of the graph: microbatches and layers differ);
-- the element's global (row-major) index: ``arange(numel)``.
+- the step's key ``state.rng = [seed, counter]``, read as tensors *in the graph* (traced
+  once, replayed every step; the counter advances every step);
+- the op's call index in the trace (a constant: microbatches and layers differ);
+- the element's global (row-major) index, ``arange(numel)``.
 
 Bits are splitmix64's finalizer over ``i * gamma ^ key`` in int64 tensor ops (multiplication
-wraps). A float32 uniform takes the top 24 bits (``[0, 1)``, exact), a float64 one 53,
-float16 11 and bfloat16 8; a normal is Box-Muller over two 24-bit uniforms from one hash
-(computed in float64 for float64, so both precisions agree to rounding). A probability ``p``
-given as a Python float is compared in integers (``bits < round(p * 2**24)``), so masks do
-not depend on the compute dtype.
+wraps). A uniform takes the top 24 bits for float32 (exact, in ``[0, 1)``), 53 for float64,
+11 for float16, 8 for bfloat16; a normal is Box-Muller over two 24-bit uniforms of one word
+(so float32 and float64 agree to rounding); a Python-float probability ``p`` is compared in
+integers, ``bits < round(p * 2**24)``, whatever the dtype.
 
 On a mesh the random tensor is computed whole from global indices (stage 2 replicates
 tensors made inside the step): each rank holds the values the unsharded step draws. Other
@@ -26,22 +24,26 @@ random ops raise ``UnsupportedError`` naming the op and the user's line.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from fsg._src import _torch_private
 from fsg._src.errors import UnsupportedError
 from fsg._src.trace import purity
 
 _aten = torch.ops.aten
-_MASK64 = (1 << 64) - 1
 
 
 def _signed(c: int) -> int:
-    c &= _MASK64
+    """``c`` mod 2**64 as an int64 (two's complement)."""
+    c &= (1 << 64) - 1
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
@@ -64,35 +66,29 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def _top(z: torch.Tensor, bits: int) -> torch.Tensor:
-    return _shr(z, 64 - bits)
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def unit(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Uniforms in ``[0, 1)`` of ``dtype`` from 64-bit words: as many top bits as the dtype
     represents exactly, so none rounds up to 1."""
     bits = _BITS.get(dtype, 24)
-    return _top(z, bits).to(dtype) * 2.0**-bits
+    return _shr(z, 64 - bits).to(dtype) * 2.0**-bits
 
 
 def normal(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Standard normals (Box-Muller) from the top and the low 24 bits of each word."""
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    u1 = _top(z, 24).to(compute) * 2.0**-24
-    u2 = (_shr(z, 8) & 0xFFFFFF).to(compute) * 2.0**-24
+    u1 = _shr(z, 40).to(_compute(dtype)) * 2.0**-24
+    u2 = (_shr(z, 8) & 0xFFFFFF).to(_compute(dtype)) * 2.0**-24
     return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
-
-
-def _threshold(p: float) -> int:
-    return round(min(max(p, 0.0), 1.0) * 2**24)
 
 
 def below(z: torch.Tensor, p: Any) -> torch.Tensor:
     """A bool tensor, True with probability ``p`` (a float or a tensor broadcast to ``z``)."""
     if not isinstance(p, torch.Tensor):
-        return _top(z, 24) < _threshold(p)
-    u = _top(z, 24).to(torch.promote_types(p.dtype, torch.float32)) * 2.0**-24
-    return u < p
+        return _shr(z, 40) < round(min(max(p, 0.0), 1.0) * 2**24)
+    return _shr(z, 40).to(torch.promote_types(p.dtype, torch.float32)) * 2.0**-24 < p
 
 
 class Keyed(_torch_private.TorchDispatchMode):
@@ -112,8 +108,7 @@ class Keyed(_torch_private.TorchDispatchMode):
         self._calls += 1
         key = _mix(self._step_key + _signed(self._calls * _GAMMA))
         device = torch.device(device) if device is not None else self._rng.device
-        if key.device != device:
-            key = key.to(device)
+        key = key if key.device == device else key.to(device)
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
         return _mix((index * _GAMMA) ^ key).reshape(tuple(shape))
 
@@ -127,6 +122,25 @@ class Keyed(_torch_private.TorchDispatchMode):
         if kwargs.pop("generator", None) is not None:
             raise _unsupported(func, "it was given an explicit generator=, which a replayed graph cannot follow")
         return impl(self, *args, **kwargs)
+
+
+class _AttentionDropoutAsMath(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` with dropout runs its math (softmax, keyed dropout,
+    matmul): the fused CUDA kernels draw their dropout inside, from torch's generator."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and (args[4] if len(args) > 4 else kwargs.get("dropout_p")):
+            with sdpa_kernel([SDPBackend.MATH]):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def keyed(rng: torch.Tensor) -> Iterator[None]:
+    """Traces the random ops called inside as keyed hashes of ``rng = [seed, counter]``."""
+    with _AttentionDropoutAsMath(), Keyed(rng):
+        yield
 
 
 def _unsupported(func: Any, why: str) -> UnsupportedError:
@@ -234,10 +248,6 @@ def _native_dropout(keys: Keyed, x, p, train=None):
     keep = below(keys.bits(x.shape, x.device), 1.0 - p)
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
     return x * keep * scale, keep  # autograd's backward reads this mask
-
-
-def _compute(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _uniform(z, dtype, low=0.0, high=1.0):

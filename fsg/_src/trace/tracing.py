@@ -121,7 +121,7 @@ def train_step(
     # which become the new state, so the step's inputs are written only by donation.
     buffers = tree.tree_map(torch.clone, state.buffers)  # trace() drops the copies never written
     loss, aux, sums = None, {}, [None] * len(inputs)
-    with random.Keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
+    with random.keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
         for mb in micro:  # unrolled: each microbatch's activations die after its backward
             mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses)
             loss = mb_loss.float() if loss is None else loss + mb_loss.float()
