@@ -30,6 +30,7 @@ from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
 from fsg._src.runtime.lowered import Cost as Cost
 from fsg._src.runtime.lowered import Lowered as Lowered
+from fsg._src.runtime.memory import Memory as Memory
 from fsg._src.runtime.step import Step as Step
 from fsg._src.train_state import TrainState as TrainState
 from fsg._src.version import __version__ as __version__
@@ -53,6 +54,7 @@ __all__ = [
     "ImpureLossError",
     "Lowered",
     "LossNotScalarError",
+    "Memory",
     "NonTensorLeafError",
     "RecompileError",
     "RecompileWarning",

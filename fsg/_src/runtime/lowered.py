@@ -10,6 +10,8 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsg._src import _torch_private
+from fsg._src.runtime import memory
+from fsg._src.runtime.memory import Memory
 from fsg._src.sharding import spmd
 
 
@@ -77,3 +79,10 @@ class Lowered:
         with mode, counter:
             self.graph_module(*fakes)
         return Cost(counter.get_total_flops(), self.op_counts())
+
+    def memory(self) -> Memory:
+        """The bytes one step holds (per rank on a mesh), read from the graph's shapes and
+        dtypes in its own order: state and batch inputs, the activations the forward leaves
+        for the backward, the peak of temporaries, and their sum (``fsg.Memory`` says what
+        each counts and what it does not)."""
+        return memory.step_memory(self.graph_module, self.global_graph.meta["num_state_leaves"], self._example_inputs)
