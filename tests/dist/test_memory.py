@@ -30,7 +30,7 @@ def memory_of(preset: str, accum_steps: int) -> tuple:
 @functools.cache
 def _results(ranks, preset: str, accum_steps: int) -> tuple:
     first, second = ranks(2).run(memory_of, preset, accum_steps)
-    assert first == second  # the ranks' graphs are alike
+    assert (first[0], first[2]) == (second[0], second[2])  # the ranks' graphs are alike
     return first
 
 
@@ -44,15 +44,7 @@ def test_each_rank_counts_its_shards_and_rows_and_holds_what_it_counts(ranks, ac
         assert measured <= static <= 1.05 * measured
 
 
-DEFER_HOISTS_THE_FORWARD = pytest.mark.xfail(
-    strict=True,
-    reason="defer_small_collectives takes the loss's all-reduce for a batch-only count (its input "
-    "cone reads only placeholders: the batch and the params), and hoists it with the whole forward "
-    "of a small model to the step's start: every microbatch's forward runs before the first backward",
-)
-
-
-@pytest.mark.parametrize("accum_steps", [1, pytest.param(2, marks=DEFER_HOISTS_THE_FORWARD)])
+@pytest.mark.parametrize("accum_steps", [1, 2])
 def test_a_data_parallel_rank_saves_the_activations_of_its_rows(ranks, accum_steps):
     dp, _, single = _results(ranks, "dp", accum_steps)
     # the unsharded step's on the rank's rows, and the loss's all-reduce (a scalar)

@@ -28,12 +28,15 @@ _SHAPE_ONLY = frozenset(
 )
 
 
-def _input_cone(node: fx.Node, limit: int = 32) -> list[fx.Node] | None:
-    """The ops ``node`` is computed from, if they are few, pure and read only graph inputs (a
-    token count read from the labels); ``None`` otherwise."""
+def _input_cone(node: fx.Node, batch: set[fx.Node] | None, limit: int = 32) -> list[fx.Node] | None:
+    """The ops ``node`` is computed from, if they are few, pure and read only the batch inputs
+    (``batch``; every graph input when ``None``): a token count read from the labels. ``None``
+    otherwise: a loss that reads a parameter is the forward itself, which must not move."""
     cone, stack = {}, [node]
     while stack:
         n = stack.pop()
+        if n.op == "placeholder" and batch is not None and n not in batch:
+            return None
         if n in cone or n.op in ("placeholder", "get_attr"):
             continue
         if n.op != "call_function" or not _torch_private.is_pure_op(n.target) or _torch_private.is_collective(n.target):
@@ -102,14 +105,17 @@ def _defer(graph: fx.Graph, tail: list[fx.Node]) -> bool:
     return True
 
 
-def defer_small_collectives(gm: fx.GraphModule) -> int:
+def defer_small_collectives(gm: fx.GraphModule, num_state_leaves: int | None = None) -> int:
     """Takes the forward's small all-reduces off the step's critical path (see the module
-    docstring); returns how many collectives it moved. Run it after the bucketing pass. No node
+    docstring); returns how many collectives it moved. Inputs past ``num_state_leaves`` are
+    the batch (stage 1's leaf layout; every input counts as batch when ``None``). No node
     moves past a write to memory it reads (``passes.facts``): a batch-only count whose input
     is written in place stays, and a loss metric that also reads a parameter is waited for
     before the update overwrites that parameter."""
     graph = gm.graph
     moved = 0
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    batch = None if num_state_leaves is None else set(inputs[num_state_leaves:])
     anchor = last_placeholder(graph)  # hoisted ops go after it, in order
     for node in list(graph.nodes):
         if node.target is not _torch_private.ALL_REDUCE or not isinstance(node.args[0], fx.Node):
@@ -117,7 +123,7 @@ def defer_small_collectives(gm: fx.GraphModule) -> int:
         value = meta_value(node.args[0])
         if value is None or value.numel() > _SMALL:
             continue
-        cone = _input_cone(node.args[0])
+        cone = _input_cone(node.args[0], batch)
         if cone:  # read from the batch only: issue it first thing
             hoisted = _hoist(graph, node, cone, anchor)
             if hoisted is not None:

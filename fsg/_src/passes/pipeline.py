@@ -26,6 +26,7 @@ class Options(NamedTuple):
     adamw: fuse_adamw.AdamWPlan | None = None  # replace the traced AdamW update by the fused kernel
     on_mesh: bool = False  # a per-rank graph with collectives
     bucket_mb: float | None = None  # bucket and place the collectives (on a mesh)
+    num_state_leaves: int | None = None  # stage 1's leaf layout: the inputs after these are the batch
 
     @property
     def bucketing(self) -> bool:
@@ -54,7 +55,7 @@ PASSES = (
     Pass("update_on_arrival", lambda gm, o: update_on_arrival.update_on_arrival(gm),
          lambda o: o.bucketing and o.adamw is not None, after=("fuse_adamw", "bucket_gradient_collectives")),  # fmt: skip
     # moves what is left of the forward's small collectives, around the buckets' final places
-    Pass("defer_small_collectives", lambda gm, o: defer.defer_small_collectives(gm),
+    Pass("defer_small_collectives", lambda gm, o: defer.defer_small_collectives(gm, o.num_state_leaves),
          lambda o: o.on_mesh and bool(o.bucket_mb), after=("bucket_gradient_collectives", "update_on_arrival")),  # fmt: skip
 )
 

@@ -74,13 +74,13 @@ class Builder:
         graph = build(state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None)
         on_mesh = self._mesh is not None
         try:
-            return self._optimize(graph, pipeline.Options(adamw, on_mesh, self._bucket_mb))
+            return self._optimize(graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves))
         except UnsupportedError as exc:
             if adamw is None or self._fused_optimizer:  # asked for the fused kernel: no fallback
                 raise
             log.warning("fsg: stage 3: the fused AdamW refused this step (%s); tracing the update's math instead", exc)
         graph = build(state, batch, self._optimizer, False)
-        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb))
+        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb, graph.traced.num_state_leaves))
 
     def _optimize(self, built: Built, options: pipeline.Options) -> Built:
         t0 = time.perf_counter()
