@@ -145,6 +145,10 @@ def _batch(n=16):
     return {**regression_batch(n=n), "sign": torch.ones(n)}
 
 
+def _state(seed=0):
+    return fsg.compile_step(_loss(_model()), optimizer=fsg.optim.sgd(0.1)).init(fsg.params(_model()), seed=seed)
+
+
 def _run(seed=0, steps=5, state=None, step=None, **options):
     options = {"optimizer": fsg.optim.adamw(1e-2), "backend": "eager", **options}
     model = _model()
@@ -237,6 +241,16 @@ def test_inductor_draws_what_eager_draws():
     eager, _, _ = _run(seed=4, steps=2)
     compiled, _, _ = _run(seed=4, steps=2, backend="inductor")
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+def test_the_element_index_is_xored_with_the_key_before_any_multiplication():
+    """Inductor (torch 2.11) folds ``arange * constant`` into an index expression that it
+    computes in int32 for small tensors: wrong masks on CPU, a Triton compile error on CUDA
+    (seen on an H200). The index's only readers must be xors with the key."""
+    gm = fsg._src.trace.tracing.trace(_loss(_model()), fsg.optim.sgd(0.1), _state(), _batch(), donate=True)
+    nodes = gm.graph_module.graph.nodes
+    aranges = [n for n in nodes if "arange" in str(n.target) and n.meta["val"].dtype == torch.int64]
+    assert aranges and all(str(u.target) == "aten.bitwise_xor.Tensor" for n in aranges for u in n.users)
 
 
 def test_a_step_without_random_ops_has_no_key_math():

@@ -11,7 +11,7 @@ the ops it calls in place of a random op are what the graph records, plain tenso
 - the op's call index in the trace (a constant: microbatches and layers differ);
 - the element's global (row-major) index, ``arange(numel)``.
 
-Bits are splitmix64's finalizer over ``i * gamma ^ key`` in int64 tensor ops (multiplication
+Bits are splitmix64's finalizer over ``(i ^ key) * gamma`` in int64 tensor ops (multiplication
 wraps). A uniform takes the top 24 bits for float32 (exact, in ``[0, 1)``), 53 for float64,
 11 for float16, 8 for bfloat16; a normal is Box-Muller over two 24-bit uniforms of one word
 (so float32 and float64 agree to rounding); a Python-float probability ``p`` is compared in
@@ -110,7 +110,9 @@ class Keyed(_torch_private.TorchDispatchMode):
         device = torch.device(device) if device is not None else self._rng.device
         key = key if key.device == device else key.to(device)
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
-        return _mix((index * _GAMMA) ^ key).reshape(tuple(shape))
+        # xor first: Inductor (2.11) folds ``arange * constant`` into an int32 index expression
+        # (wrong values on CPU, a Triton compile error on CUDA; tests/test_random.py)
+        return _mix((index ^ key) * _GAMMA).reshape(tuple(shape))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
