@@ -164,3 +164,15 @@ def test_draws_random_reads_the_seeded_tag_and_generator_arguments():
     assert not _torch_private.draws_random(torch.ops.aten.mul.Tensor)
     assert not _torch_private.draws_random(torch.ops.aten.empty_like.default)
     assert not _torch_private.draws_random("output")
+
+
+def test_dtensor_index_put_rule_is_positional_on_torch_2_11_only():
+    """Used by fsg/_src/sharding/op_support.py: stage 2 gathers ``index_put``'s ``self`` and
+    ``values`` where DTensor's rule is torch 2.11's ``prop_index_put``."""
+    import torch.distributed.tensor  # noqa: F401 - registers DTensor's rules
+
+    positional = _torch_private.dtensor_index_put_rule_is_positional()
+    assert isinstance(positional, bool)
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    if release in ((2, 11), (2, 13)):  # the releases fsg supports
+        assert positional == (release == (2, 11))

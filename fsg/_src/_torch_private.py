@@ -37,6 +37,7 @@ __all__ = [
     "core_decompositions",
     "draws_random",
     "dtensor_has_rule",
+    "dtensor_index_put_rule_is_positional",
     "fake_mode",
     "inductor_compile",
     "is_collective",
@@ -89,6 +90,17 @@ def dtensor_has_rule(op: Any) -> bool:
     propagator = DTensor._op_dispatcher.sharding_propagator
     tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
     return any(op in getattr(propagator, name, {}) for name in tables)
+
+
+def dtensor_index_put_rule_is_positional() -> bool:
+    """Whether DTensor's rule for ``index_put`` is torch 2.11's ``prop_index_put``, which pairs
+    ``values``' dims with ``self``'s from the right as if no dim were indexed: for
+    ``self[ids] += values`` with ``values`` sharded on its rows (the backward of
+    ``table.index_select(0, ids)``) it shards ``self``'s indexed dim too and indexes each shard
+    with the gathered ids. torch 2.13 replaced it with a single-dim strategy that is correct."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    rule = getattr(propagator, "op_strategy_funcs", {}).get(torch.ops.aten.index_put.default)
+    return getattr(rule, "__name__", "") == "prop_index_put"
 
 
 def core_decompositions() -> dict[Any, Callable[..., Any]]:

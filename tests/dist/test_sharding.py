@@ -121,6 +121,10 @@ def test_an_op_whose_rule_refuses_its_placements_runs_replicated_with_a_warning(
     assert "its inputs were gathered and it ran replicated" in messages[0]
 
 
+def test_a_tensor_the_loss_closes_over_stays_defined_before_its_readers(ranks):
+    ranks(2).run(workers.check_closed_over_constant, {"dp": 2})
+
+
 def test_fsdp_with_bf16_compute_gathers_half_the_bytes(ranks):
     gathered32, local = ranks(2).run(workers.fsdp_gather_bytes, {"dp": 2}, "float32")[0]
     gathered16, _ = ranks(2).run(workers.fsdp_gather_bytes, {"dp": 2}, "bfloat16")[0]

@@ -487,3 +487,22 @@ def check_batch_norm_running_stats(axes: dict, preset: str) -> None:
         param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"), buffers=fsg.buffers(model),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
+
+
+# --- a tensor the loss closes over: a constant (get_attr) of the per-rank graph -----------
+
+
+def check_closed_over_constant(axes: dict) -> None:
+    """The loss's mean reads a tensor it closes over; stage 3 issues that mean's all-reduce
+    first thing (its inputs are the batch and parameters), which must not move it above the
+    constant's definition (the per-rank graph failed to lint before)."""
+    model = mlp(d_in=8, d_hidden=32, d_out=4)
+    offset = torch.linspace(-1.0, 1.0, 4)
+
+    def loss_fn(params, batch):
+        return ((fsg.apply(model, params, batch["x"]) - offset - batch["y"]) ** 2).mean()
+
+    fsg.testing.assert_sharded_matches_unsharded(
+        loss_fn, fsg.params(model), [regression_batch(seed=i) for i in range(2)], fsg.testing.mesh(axes),
+        optimizer=fsg.optim.sgd(0.1),
+    )  # fmt: skip

@@ -15,7 +15,11 @@ So on a mesh fsg never relies on that path:
    so every size it divides by is the global one.
 2. Stage 2 runs an op on DTensors only if DTensor has a registered rule for it
    (``_torch_private.dtensor_has_rule``); anything else is a ``ShardingRuleError`` naming
-   the op, the user's line and the placements it met.
+   the op, the user's line and the placements it met. Registered rules the corpus caught
+   wrong on a torch release are worked around (``SCANS``, ``FULL_REDUCTIONS``, ``stack``'s
+   dim, 2.11's ``index_put``); where a rule fails or gives a malformed result even on whole
+   inputs (2.11's ``convolution``, ``constant_pad_nd`` on a 2-D mesh), each rank runs the
+   op on its whole copy (``run_replicated``).
 
 Ops that have a rule stay whole. Decomposing them too (all of torch's core-ATen table, as
 Inductor does) was tried and is worse: on torch 2.13 ``sum.default`` becomes
@@ -31,8 +35,9 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fsg._src import _torch_private
+from fsg._src import _torch_private, tree
 
 _aten = torch.ops.aten
 
@@ -102,9 +107,82 @@ def non_negative_stack_dim(target: Any, args: tuple) -> tuple:
     return (args[0], args[1] + args[0][0].dim() + 1, *args[2:])
 
 
-def _placement_text(placement: Any) -> str:
-    from torch.distributed.tensor import Partial, Replicate, Shard
+# torch 2.11's index_put rule (``_torch_private.dtensor_index_put_rule_is_positional``) shards
+# the indexed dim of ``self`` when ``values`` is sharded on its rows, and indexes each shard
+# with the gathered global ids: the op corpus saw the backward of ``table.index_select(0, ids)``
+# fail at run time (4 rows of values for 8 ids); where the shapes happened to broadcast it
+# would be wrong. Stage 2 gathers ``self`` and ``values`` first there (torch 2.13's rule
+# gathers them for this case too).
+INDEX_PUTS = frozenset({_aten.index_put.default, _aten._index_put_impl_.default})
 
+
+def index_put_args(target: Any, args: tuple, device_mesh: Any) -> tuple:
+    """``index_put``'s args with ``values`` and ``self`` gathered where torch's rule for it is
+    the positional one (``self`` only for the functional op: the in-place one must write the
+    tensor it was given); other ops' args unchanged."""
+    if target not in INDEX_PUTS or len(args) < 3 or not _torch_private.dtensor_index_put_rule_is_positional():
+        return args
+    self_ = _gather(args[0], device_mesh) if _torch_private.is_pure_op(target) else args[0]
+    return (self_, args[1], _gather(args[2], device_mesh), *args[3:])
+
+
+def _gather(x: Any, device_mesh: Any) -> Any:
+    """``x`` replicated over the whole mesh, if it is a DTensor that is not already."""
+    if not isinstance(x, DTensor) or all(isinstance(p, Replicate) for p in x.placements):
+        return x
+    return x.redistribute(device_mesh, [Replicate()] * device_mesh.ndim)
+
+
+def gather_all(args_kwargs: Any, device_mesh: Any) -> Any:
+    """``args_kwargs`` with every DTensor replicated; ``None`` if all already are (nothing to
+    gather: an op failing on them fails for a reason other than their placements)."""
+    leaves = tree.flatten(args_kwargs)[0]
+    if all(all(isinstance(p, Replicate) for p in a.placements) for a in leaves if isinstance(a, DTensor)):
+        return None
+    return tree.tree_map(lambda a: _gather(a, device_mesh), args_kwargs)
+
+
+def plain_containers(value: Any) -> Any:
+    """``value`` with FX's ``immutable_list``/``immutable_dict`` as plain lists and dicts, which
+    pytrees see into (a plain tensor inside ``cat``'s list must be found and replicated)."""
+    if isinstance(value, tuple):
+        return tuple(plain_containers(v) for v in value)
+    if isinstance(value, list):
+        return [plain_containers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_containers(v) for k, v in value.items()}
+    return value
+
+
+def covers_mesh(result: Any, ndim: int) -> bool:
+    """Whether every DTensor in an op's result has one placement per mesh dim. torch 2.11's
+    rule for ``constant_pad_nd`` (``F.pad``) places its result ``(Replicate(),)`` whatever the
+    mesh: on a 2-D mesh that DTensor is malformed (the op corpus saw ``F.pad`` under FSDP x TP
+    fail two ops later)."""
+    return all(len(leaf.placements) == ndim for leaf in tree.flatten(result)[0] if isinstance(leaf, DTensor))
+
+
+def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any) -> Any:
+    """``target`` run by each rank on the whole of its inputs (every DTensor gathered), its
+    tensor results replicated DTensors: the global op, on every rank, without DTensor's rule.
+    ``None`` where that may not be the global op: an op that writes its inputs, draws random
+    numbers (each rank would draw its own), or is not an ATen op (a custom op's rule that
+    refuses whole inputs is taken at its word)."""
+    if not _torch_private.is_pure_op(target) or target.namespace != "aten" or _torch_private.draws_random(target):
+        return None
+    replicate = [Replicate()] * device_mesh.ndim
+
+    def whole(x: Any) -> Any:
+        return _gather(x, device_mesh).to_local() if isinstance(x, DTensor) else x
+
+    out = target(*tree.tree_map(whole, args), **tree.tree_map(whole, kwargs))
+    return tree.tree_map(
+        lambda t: DTensor.from_local(t, device_mesh, replicate, run_check=False) if isinstance(t, torch.Tensor) else t,
+        out,
+    )
+
+
+def _placement_text(placement: Any) -> str:
     if isinstance(placement, Shard):
         return f"Shard({placement.dim})"
     if isinstance(placement, Replicate):
@@ -117,10 +195,6 @@ def _placement_text(placement: Any) -> str:
 def placements_text(args: Any) -> str:
     """The global shape and placements of every DTensor among ``args``, for error messages:
     ``(16, 4) [Shard(0)]``."""
-    from torch.distributed.tensor import DTensor
-
-    from fsg._src import tree
-
     seen = []
     for leaf in tree.flatten(args)[0]:
         if isinstance(leaf, DTensor):

@@ -15,6 +15,7 @@ from the specs) under ``make_fx``, so DTensor's own sharding propagation emits
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -84,18 +85,6 @@ def _gather_dim(x: DTensor, mesh: Mesh, dim: int) -> DTensor:
     return _redistribute(x, mesh, placements)
 
 
-def _plain_containers(value: Any) -> Any:
-    """``value`` with FX's ``immutable_list``/``immutable_dict`` as plain lists and dicts, which
-    pytrees see into (a plain tensor inside ``cat``'s list must be found and replicated)."""
-    if isinstance(value, tuple):
-        return tuple(_plain_containers(v) for v in value)
-    if isinstance(value, list):
-        return [_plain_containers(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain_containers(v) for k, v in value.items()}
-    return value
-
-
 def _is_plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
@@ -136,7 +125,7 @@ class _Expander(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         mesh = self.plan.mesh
-        args, kwargs = _plain_containers((args, kwargs))
+        args, kwargs = op_support.plain_containers((args, kwargs))
         if target is markers.PARAM_USE:  # rule 3: gather over data axes where the loss reads it
             return _redistribute(args[0], mesh, self.plan.compute_placements(args[1]))
         if target is markers.GRAD:  # rule 2: the gradient takes its parameter's placement
@@ -156,6 +145,7 @@ class _Expander(fx.Interpreter):
         if full is not None and isinstance(args[0], DTensor):
             target, args, kwargs = full
         args = op_support.non_negative_stack_dim(target, args)
+        args = op_support.index_put_args(target, args, mesh.device_mesh)
         if target in op_support.SCANS and isinstance(args[0], DTensor):
             args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
         leaves, _ = tree.flatten((args, kwargs))
@@ -167,30 +157,43 @@ class _Expander(fx.Interpreter):
             # Tensors made inside the step (masks, aranges) are the same on every rank.
             args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
-            return super().call_function(target, args, kwargs)
+            result = super().call_function(target, args, kwargs)
         except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
             raise self._no_rule(target, exc, (args, kwargs)) from exc
         except (RuntimeError, IndexError, KeyError) as exc:
-            # DTensor has rules for the op but could not apply them to these placements (some
-            # torch releases refuse, e.g., to flatten a sharded dim). Gather the inputs and run
-            # it replicated: correct, at the price of the gathers, and said in a warning.
-            replicated = self._replicate_all((args, kwargs))
-            if replicated is None:
-                raise
-            try:
+            return self._fallback(target, args, kwargs, exc)
+        if not op_support.covers_mesh(result, mesh.device_mesh.ndim):  # a rule for 1-D meshes only
+            why = RuntimeError(f"DTensor's rule gave its result fewer placements than the mesh has dims ({mesh!r})")
+            return self._fallback(target, args, kwargs, why, local=True)
+        return result
+
+    def _fallback(self, target, args, kwargs, exc: Exception, local: bool = False) -> Any:
+        """DTensor has rules for the op but could not apply them to these placements (some
+        torch releases refuse, e.g., to flatten a sharded dim): gather the inputs and run it
+        replicated, by DTensor, or by each rank on its whole copy where the rule fails on whole
+        inputs too (torch 2.11's convolution) or is malformed (``local``). Correct, at the price
+        of the gathers, and said in a warning; ``ShardingRuleError`` where that fails too."""
+        device_mesh, result = self.plan.mesh.device_mesh, None
+        replicated = op_support.gather_all((args, kwargs), device_mesh)
+        if replicated is not None and not local:
+            with contextlib.suppress(Exception):  # else the rule fails on whole inputs too
                 result = super().call_function(target, *replicated)
-            except Exception:
-                # DTensor refuses these placements and the op fails replicated too
-                raise self._no_rule(target, exc, (args, kwargs)) from exc
-            where = purity.user_frame_of_node(self._node) if self._node is not None else "(unknown)"
-            warnings.warn(
-                f"fsg: op {target} at {where} could not run on its inputs' placements "
-                f"({str(exc).splitlines()[0][:160]}); its inputs were gathered and it ran replicated. "
-                f"Change the specs feeding it to avoid the extra collectives.",
-                ShardingFallbackWarning,
-                stacklevel=2,
-            )
-            return result
+        if result is None or not op_support.covers_mesh(result, device_mesh.ndim):
+            try:
+                result = op_support.run_replicated(target, *(replicated or (args, kwargs)), device_mesh)
+            except Exception:  # noqa: BLE001 - reported as the ShardingRuleError below
+                result = None
+        if result is None:  # not even on whole inputs, or an op no rank can run alone (random)
+            raise self._no_rule(target, exc, (args, kwargs)) from exc
+        where = purity.user_frame_of_node(self._node) if self._node is not None else "(unknown)"
+        warnings.warn(
+            f"fsg: op {target} at {where} could not run on its inputs' placements "
+            f"({str(exc).splitlines()[0][:160]}); its inputs were gathered and it ran replicated. "
+            f"Change the specs feeding it to avoid the extra collectives.",
+            ShardingFallbackWarning,
+            stacklevel=3,
+        )
+        return result
 
     def _reduce(self, grad: Any, placements: tuple[Placement, ...]) -> Any:
         """Rule 2's redistribution, the sum in ``reduce_dtype`` (``Policy.reduce``) if set."""
@@ -198,13 +201,6 @@ class _Expander(fx.Interpreter):
         if not partial or self.reduce_dtype is None or grad.dtype == self.reduce_dtype:
             return _redistribute(grad, self.plan.mesh, placements)
         return _redistribute(grad.to(self.reduce_dtype), self.plan.mesh, placements).to(grad.dtype)
-
-    def _replicate_all(self, args_kwargs):
-        leaves, _ = tree.flatten(args_kwargs)
-        if not any(isinstance(a, DTensor) and not all(isinstance(p, Replicate) for p in a.placements) for a in leaves):
-            return None  # nothing to gather: the failure is not about placements
-        replicate = tuple(Replicate() for _ in self.plan.mesh.shape)
-        return tree.tree_map(lambda a: _redistribute(a, self.plan.mesh, replicate), args_kwargs)
 
     def _no_rule(self, target, exc: Exception | None, args_kwargs: Any) -> ShardingRuleError:
         where = purity.user_frame_of_node(self._node) if self._node is not None else "(source line unknown)"
@@ -260,6 +256,12 @@ def expand(
         return tuple(local_outputs)
 
     gm = _torch_private.trace_fake(local_step, *local_inputs)
+    # Constants (get_attr) first, before the inputs: a stage-3 pass that moves ops to right
+    # after the last input (defer's hoist of a loss's all-reduce) must not move them above a
+    # constant they read (a closed-over tensor, an eval BatchNorm's running statistics).
+    first = next(iter(gm.graph.nodes))
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        first.prepend(node)
     # A failed first attempt of an op (before the replicated fallback) can leave a dead,
     # ill-shaped node in the trace; in-place writes (donation's copy_) are kept as impure.
     gm.graph.eliminate_dead_code()
