@@ -35,8 +35,8 @@ def _input_cone(node: fx.Node, batch: set[fx.Node] | None, limit: int = 32) -> l
     cone, stack = {}, [node]
     while stack:
         n = stack.pop()
-        if n.op == "placeholder" and batch is not None and n not in batch:
-            return None
+        if (n.op == "placeholder" and batch is not None and n not in batch) or n.op == "get_attr":
+            return None  # a parameter read (the forward itself) or a constant defined further down
         if n in cone or n.op in ("placeholder", "get_attr"):
             continue
         if n.op != "call_function" or not _torch_private.is_pure_op(n.target) or _torch_private.is_collective(n.target):

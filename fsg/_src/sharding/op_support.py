@@ -60,11 +60,23 @@ DISTRUSTED: frozenset = frozenset(
 def mesh_decompositions() -> dict[Any, Callable[..., Any]]:
     """The decomposition table stage 1 traces with on a mesh (see the module docstring)."""
     candidates = {**_torch_private.all_decompositions(), **_torch_private.core_decompositions()}
-    return {
+    table = {
         op: fn
         for op, fn in candidates.items()
         if isinstance(op, _torch_private.OpOverload) and (op in DISTRUSTED or not _torch_private.dtensor_has_rule(op))
     }
+    return {**table, **SHIFTS}
+
+
+# ``x >> k`` and ``x << k``: torch 2.13's DTensor takes ``aten.__rshift__`` / ``__lshift__`` for
+# in-place ops (their names end in an underscore) and returns ``x`` unchanged, silently. On a
+# mesh stage 1 traces them as the bitwise shifts, whose rules are the pointwise ones.
+SHIFTS = {
+    _aten.__rshift__.Scalar: lambda x, k: _aten.bitwise_right_shift.Tensor_Scalar(x, k),
+    _aten.__rshift__.Tensor: lambda x, k: _aten.bitwise_right_shift.Tensor(x, k),
+    _aten.__lshift__.Scalar: lambda x, k: _aten.bitwise_left_shift.Tensor_Scalar(x, k),
+    _aten.__lshift__.Tensor: lambda x, k: _aten.bitwise_left_shift.Tensor(x, k),
+}
 
 
 # Scans along a dim: DTensor's rules run them on each shard of a dim sharded along the scan
