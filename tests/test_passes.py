@@ -11,8 +11,9 @@ from torch import fx
 
 import fsg
 from fsg._src import _torch_private
+from fsg._src import graph_facts as facts
 from fsg._src.errors import FsgError, PassInvariantError
-from fsg._src.passes import CHECK_ENV, defer, facts, invariants, pipeline, run_pass
+from fsg._src.passes import CHECK_ENV, defer, invariants, pipeline, run_pass
 
 aten = torch.ops.aten
 AR, WAIT = _torch_private.ALL_REDUCE, _torch_private.WAIT_TENSOR

@@ -107,7 +107,7 @@ def test_register_sharding_takes_an_op():
 
 
 def test_mutated_args_reads_the_schemas_write_annotations():
-    """Used by fsg/_src/passes/facts.py: ``Tensor(a!)`` arguments, lists of them, ``out=``."""
+    """Used by fsg/_src/graph_facts.py: ``Tensor(a!)`` arguments, lists of them, ``out=``."""
     assert _torch_private.mutated_args(torch.ops.aten.copy_.default) == {0}
     assert _torch_private.mutated_args(torch.ops.aten.add.out) == {3}  # the keyword-only out
     assert _torch_private.mutated_args(torch.ops.fsg.fused_adamw_.default) == {0, 2, 3}  # Tensor(a!)[]

@@ -3,7 +3,7 @@
 A small all-reduce whose input depends on the batch alone (the token count of a mean loss) is
 issued at the step's start, and a wait whose result only feeds the step's outputs (the loss
 metric) moves to the step's end. No node moves past a write to memory it reads
-(``passes.facts``).
+(``graph_facts``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import facts
+from fsg._src import graph_facts as facts
 from fsg._src.passes.moves import last_placeholder, meta_value
 
 _aten = torch.ops.aten
@@ -109,7 +109,7 @@ def defer_small_collectives(gm: fx.GraphModule, num_state_leaves: int | None = N
     """Takes the forward's small all-reduces off the step's critical path (see the module
     docstring); returns how many collectives it moved. Inputs past ``num_state_leaves`` are
     the batch (stage 1's leaf layout; every input counts as batch when ``None``). No node
-    moves past a write to memory it reads (``passes.facts``): a batch-only count whose input
+    moves past a write to memory it reads (``graph_facts``): a batch-only count whose input
     is written in place stays, and a loss metric that also reads a parameter is waited for
     before the update overwrites that parameter."""
     graph = gm.graph

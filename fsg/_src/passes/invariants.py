@@ -38,8 +38,8 @@ from typing import NamedTuple
 from torch import fx
 
 from fsg._src import _torch_private
+from fsg._src import graph_facts as facts
 from fsg._src.errors import PassInvariantError
-from fsg._src.passes import facts
 
 _ORDER_RULE = "a pass may move a node only where it sees the same writes to the memory it reads"
 _WAIT_RULE = "every functional collective needs exactly one wait_tensor, before any read of its result"

@@ -2,7 +2,7 @@
 
 The graph is walked in its own order (the order the ``"eager"`` backend runs it in). Every node
 whose result is a new tensor *allocates* its storage when it runs; views and in-place results
-share their base's storage (``passes/facts.py`` derives that from the ops' schemas), so a
+share their base's storage (``graph_facts.py`` derives that from the ops' schemas), so a
 storage is counted once, and it is *freed* after the last node that reads any alias of it. The
 graph's outputs stay alive to the end. In-place writes into an input allocate nothing.
 
@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import facts
+from fsg._src import graph_facts as facts
 
 _HIDDEN_ALIASES = (torch.ops.aten._unsafe_view.default, _torch_private.WAIT_TENSOR)
 _ONES_LIKE, _FULL_LIKE = torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default

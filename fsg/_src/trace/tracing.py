@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, tree
+from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
@@ -155,32 +155,17 @@ def train_step(
     return new_state, metrics
 
 
-def _written(node: fx.Node) -> bool:
-    """Whether an op writes ``node``'s tensor, directly or through views (from op schemas)."""
-    frontier, seen = [node], {node}
-    while frontier:
-        n = frontier.pop()
-        for user in n.users:
-            args = list(user.args)
-            if any(i < len(args) and args[i] is n for i in _torch_private.mutated_args(user.target)):
-                return True
-            views = _torch_private.aliased_args(user.target)
-            if any(i < len(args) and args[i] is n for i in views) and user not in seen:
-                seen.add(user)
-                frontier.append(user)
-    return False
-
-
 def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
     """With donation, a buffer the step never writes needs no copy: ``clone(x)`` then
     ``copy_(x, clone)`` becomes ``x``. (``train_step`` hands the loss copies of the buffers,
     since it cannot know before tracing which ones a module updates in place.)"""
+    written = set().union(*(graph_facts.writes(n) for n in gm.graph.nodes))  # storages, views followed
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
             continue
         dst, src = node.args[0], node.args[1]
         is_copy = isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default and src.args[0] is dst
-        if dst.op == "placeholder" and is_copy and not node.users and not _written(src):
+        if dst.op == "placeholder" and is_copy and not node.users and src not in written:
             gm.graph.erase_node(node)
             src.replace_all_uses_with(dst)
             gm.graph.erase_node(src)
