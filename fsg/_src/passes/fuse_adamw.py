@@ -21,6 +21,7 @@ from fsg._src.errors import UnsupportedError
 from fsg._src.kernels import adamw as adamw_kernel  # noqa: F401 - registers fsg::fused_adamw_
 from fsg._src.optim._base import AdamWSpec, EmptyState, GradientTransformation, chain
 from fsg._src.optim._transforms import ScaleByAdamState, scale_by_adam, scale_by_learning_rate
+from fsg._src.passes.ordering import NodeOrder
 from fsg._src.trace import markers
 
 FUSED_ADAMW = torch.ops.fsg.fused_adamw_.default
@@ -163,8 +164,7 @@ def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
     lr_copy = copies.get(placeholders[at.learning_rate])
     lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
     wds = at.weight_decays
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    first = min((copies[n] for n in needed), key=order.__getitem__)
+    first = NodeOrder(graph).first(copies[n] for n in needed)
     with graph.inserting_before(first):
         graph.call_function(
             FUSED_ADAMW,

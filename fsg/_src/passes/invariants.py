@@ -40,6 +40,7 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src import graph_facts as facts
 from fsg._src.errors import PassInvariantError
+from fsg._src.passes.ordering import NodeOrder
 
 _ORDER_RULE = "a pass may move a node only where it sees the same writes to the memory it reads"
 _WAIT_RULE = "every functional collective needs exactly one wait_tensor, before any read of its result"
@@ -69,7 +70,7 @@ def _outputs(graph: fx.Graph) -> int:
 
 def _collective_errors(graph: fx.Graph) -> dict[str, str]:
     """Each functional collective whose result is not waited for exactly once before it is read."""
-    position = {n: k for k, n in enumerate(graph.nodes)}
+    order = NodeOrder(graph)
     errors = {}
     for node in graph.nodes:
         if node.op != "call_function" or not _torch_private.is_collective(node.target):
@@ -85,7 +86,7 @@ def _collective_errors(graph: fx.Graph) -> dict[str, str]:
             early = [
                 u
                 for u in result.users
-                if u is not waits[0] and not facts.is_view(u) and u.op != "output" and position[u] < position[waits[0]]
+                if u is not waits[0] and not facts.is_view(u) and u.op != "output" and order.before(u, waits[0])
             ]
             if early:
                 errors[node.name] = f"has its result read by {early[0].name!r} before its wait {waits[0].name!r}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fsg._src.passes.ordering import NodeOrder
+
 _aten = torch.ops.aten
 _VIEWS = frozenset(
     {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
@@ -20,13 +22,14 @@ _VIEWS = frozenset(
 MOVABLE = _VIEWS | {_aten._to_copy.default}
 
 
-def hoist_views(node: fx.Node) -> None:
+def hoist_views(node: fx.Node, order: NodeOrder | None = None) -> None:
     """Moves the chain of view ops and dtype casts that ends in ``node`` right after the op
     that produced its data: stage 2 emits those views where the gradient is marked, after the
     whole backward, which would pin the collective there too. The casts are mixed precision's:
     a float32 parameter is cast to bf16 before the forward, so autograd runs the backward of
     that cast (the bf16 gradient cast to float32) after the whole backward; left there, it
-    made every bucket wait for the end of the backward."""
+    made every bucket wait for the end of the backward. ``order`` (the pass's) is invalidated
+    when the chain moves."""
     chain = []
     while (
         node.op == "call_function"
@@ -42,20 +45,23 @@ def hoist_views(node: fx.Node) -> None:
     for view in reversed(chain):
         node.append(view)
         node = view
+    if chain and order is not None:
+        order.invalidate()
 
 
-def sink_casts(node: fx.Node) -> None:
+def sink_casts(node: fx.Node, order: NodeOrder | None = None) -> None:
     """Moves the views and casts that read ``node`` (a collective's wait) down to right before
     their first other user: stage 2 emits a gradient reduced in ``Policy.reduce``'s dtype
     followed at once by its cast back, which would otherwise count as the result's first use
-    and close the bucket."""
+    and close the bucket. ``order`` (the pass's, if it has one) is invalidated after each move."""
+    order = NodeOrder(node.graph) if order is None else order
     for user in list(node.users):
         if user.op != "call_function" or user.target not in MOVABLE or len(user.all_input_nodes) != 1:
             continue
-        sink_casts(user)
+        sink_casts(user, order)
         if user.users:
-            order = {n: k for k, n in enumerate(node.graph.nodes)}
-            min(user.users, key=order.__getitem__).prepend(user)
+            order.first(user.users).prepend(user)
+            order.invalidate()
 
 
 def meta_value(node: fx.Node) -> torch.Tensor | None:
@@ -63,8 +69,5 @@ def meta_value(node: fx.Node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-
-
 def last_placeholder(graph: fx.Graph) -> fx.Node:
     return [n for n in graph.nodes if n.op == "placeholder"][-1]
-

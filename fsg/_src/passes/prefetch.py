@@ -9,20 +9,18 @@ gathered (each rank's shards concatenated; the ``[W, sum of shards]`` result spl
 issues bucket 0 at the step's start and bucket k+1 right before bucket k's wait (one bucket of
 prefetch, as FSDP2 does), and waits for each bucket right before its first use. A gathered
 parameter is the same node in the forward and the backward, so it is gathered once per step.
+Buckets are cut by ``bucketing.buckets`` and packed by ``packing.pack`` (shared with
+``buckets.py``).
 """
 
 from __future__ import annotations
 
-import operator
-
-import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import moves
-from fsg._src.passes.buckets import DEFAULT_BUCKET_MB
-
-_aten = torch.ops.aten
+from fsg._src.passes import bucketing, moves, packing
+from fsg._src.passes.bucketing import DEFAULT_BUCKET_MB
+from fsg._src.passes.ordering import NodeOrder
 
 
 def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
@@ -37,78 +35,50 @@ def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
 
 
 class _Gather:
-    def __init__(self, collective: fx.Node, wait: fx.Node, chain: list[fx.Node], order: dict):
+    def __init__(self, collective: fx.Node, wait: fx.Node, chain: list[fx.Node], order: NodeOrder):
         self.collective, self.wait, self.chain = collective, wait, chain
-        self.input, self.output = moves.meta_value(collective.args[0]), moves.meta_value(wait)
-        self.first_use = min((u for u in wait.users), key=order.__getitem__)
-        self.key = (self.input.dtype, self.input.device, *collective.args[1:])
+        self.output = moves.meta_value(wait)
+        self.first_use = order.first(wait.users)
+        self.key = bucketing.key(collective)
 
     @property
     def nbytes(self) -> int:
         return self.output.numel() * self.output.element_size()
 
 
-def _gathers(graph: fx.Graph) -> list[_Gather]:
+def _gathers(graph: fx.Graph, order: NodeOrder) -> list[_Gather]:
     for node in graph.nodes:
         if node.target is _torch_private.ALL_GATHER:
             for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
-                moves.sink_casts(wait)  # the gathered weight's views move down to the matmul
-    order = {n: k for k, n in enumerate(graph.nodes)}
+                moves.sink_casts(wait, order)  # the gathered weight's views move down to the matmul
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not _torch_private.ALL_GATHER:
             continue
-        users = list(node.users)
+        wait = packing.sole_wait(node)
         chain = _placeholder_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-        if len(users) != 1 or users[0].target is not _torch_private.WAIT_TENSOR or not users[0].users:
+        if wait is None or not wait.users:
             continue
-        if chain is None or moves.meta_value(node.args[0]) is None or moves.meta_value(users[0]) is None:
+        if chain is None or moves.meta_value(node.args[0]) is None or moves.meta_value(wait) is None:
             continue
-        found.append(_Gather(node, users[0], chain, order))
-    return sorted(found, key=lambda g: order[g.first_use])
+        found.append(_Gather(node, wait, chain, order))
+    return sorted(found, key=lambda g: order.position(g.first_use))
 
 
-def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node) -> fx.Node:
-    """Packs ``bucket``'s all-gathers into one, issued right after ``after``; returns the node
-    right before the bucket's wait (placed before its first use), where the next bucket is
-    issued. Rank r's shards are concatenated, so the gathered buffer is ``[W, sum of shard
-    sizes]``: row r holds rank r's shards, and each parameter is its column block, made
-    contiguous."""
-    _, world, group = bucket[0].collective.args
-    placed = set()  # the nodes up to the insertion point, as it moves
-    for node in graph.nodes:
-        placed.add(node)
-        if node is after:
-            break
+def _rewrite_gathers(graph: fx.Graph, bucket: list[_Gather], after: fx.Node, order: NodeOrder) -> fx.Node:
+    """Packs ``bucket``'s all-gathers into one (``packing.pack``), issued right after ``after``;
+    returns the node right before the bucket's wait (placed before its first use), where the
+    next bucket is issued. The shards' casts (and views) that come after ``after`` move up to
+    right after it, in the bucket's order; never down (another reader may come before the
+    collective)."""
+    late = dict.fromkeys(node for gather in bucket for node in gather.chain if order.before(after, node))
     anchor = after
-    for gather in bucket:  # the shard's cast (and views) move up to the collective if later,
-        for node in gather.chain:  # never down (another reader may come before the collective)
-            if node not in placed:
-                anchor.append(node)
-                anchor = node
-                placed.add(node)
-    sizes = [g.input.numel() for g in bucket]
-    dtype = bucket[0].input.dtype
-    with graph.inserting_before(anchor.next):
-        flats = [graph.call_function(_aten.reshape.default, (g.collective.args[0], [-1])) for g in bucket]
-        flat = graph.call_function(_aten.cat.default, (flats,))
-        flat.meta["val"] = torch.empty(sum(sizes), dtype=dtype, device="meta")
-        gathered = graph.call_function(_torch_private.ALL_GATHER, (flat, world, group))
-        gathered.meta["val"] = torch.empty(world * sum(sizes), dtype=dtype, device="meta")
-    with graph.inserting_before(bucket[0].first_use):
-        done = graph.call_function(_torch_private.WAIT_TENSOR, (gathered,))
-        done.meta["val"] = gathered.meta["val"]
-        rows = graph.call_function(_aten.view.default, (done, [world, sum(sizes)]))
-        pieces = graph.call_function(_aten.split_with_sizes.default, (rows, sizes, 1))
-        for k, gather in enumerate(bucket):
-            piece = graph.call_function(operator.getitem, (pieces, k))
-            dense = graph.call_function(_aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-            shaped = graph.call_function(_aten.view.default, (dense, list(gather.output.shape)))
-            shaped.meta["val"] = gather.output
-            gather.wait.replace_all_uses_with(shaped)
-    for gather in bucket:
-        graph.erase_node(gather.wait)
-        graph.erase_node(gather.collective)
+    for node in late:
+        anchor.append(node)
+        anchor = node
+    pairs = [(g.collective, g.wait) for g in bucket]
+    done = packing.pack(graph, pairs, issue_before=anchor.next, wait_before=bucket[0].first_use)
+    order.invalidate()
     return done.prev
 
 
@@ -118,17 +88,12 @@ def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCK
     the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
     FSDP2 does). Gathers whose input is not a cast or view of a graph input (an uneven shard's
     padding) are left as they are. Returns the number of packed collectives."""
-    items = _gathers(gm.graph)
-    buckets: list[list[_Gather]] = []
-    for item in items:
-        current = buckets[-1] if buckets else None
-        if current and current[0].key == item.key and sum(g.nbytes for g in current) + item.nbytes <= bucket_mb * 2**20:
-            current.append(item)
-        else:
-            buckets.append([item])
+    order = NodeOrder(gm.graph)
+    items = _gathers(gm.graph, order)
+    buckets = bucketing.buckets(items, bucket_mb * 2**20, key=lambda g: g.key, nbytes=lambda g: g.nbytes)
     after = moves.last_placeholder(gm.graph)
     for bucket in buckets:
-        after = _rewrite_gathers(gm.graph, bucket, after)
+        after = _rewrite_gathers(gm.graph, bucket, after, order)
     gm.graph.lint()
     gm.recompile()
     return len(buckets)

@@ -9,6 +9,7 @@ from torch import fx
 
 from fsg._src import _torch_private, tree
 from fsg._src.passes.fuse_adamw import FUSED_ADAMW, through_views
+from fsg._src.passes.ordering import NodeOrder
 
 
 def _arrival(grad: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
@@ -27,18 +28,17 @@ def _arrival(grad: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
     return node, chain[::-1]
 
 
-def _sink_readers(graph: fx.Graph, node: fx.Node, chains: list[fx.Node], mutated: set[fx.Node]) -> bool:
+def _sink_readers(node: fx.Node, chains: list[fx.Node], mutated: set[fx.Node], order: NodeOrder) -> bool:
     """Moves the pure readers of the reduced gradients that sit before the fused update
     ``node`` (a gradient-norm metric) to just after it, so that waits can move down to their
     own bucket's update. Refuses (returns False, moving nothing) if one of them mutates
     something or reads a tensor the update writes."""
-    order = {n: k for k, n in enumerate(graph.nodes)}
     inside = set(chains)
     readers: dict[fx.Node, None] = {}
     frontier = list(chains)
     while frontier:
         for user in frontier.pop().users:
-            if user is node or user in inside or user in readers or order[user] > order[node]:
+            if user is node or user in inside or user in readers or order.before(node, user):
                 continue
             readers[user] = None
             frontier.append(user)
@@ -49,8 +49,9 @@ def _sink_readers(graph: fx.Graph, node: fx.Node, chains: list[fx.Node], mutated
         if not pure or any(through_views(a) in mutated for a in args):
             return False
     anchor = node.next
-    for reader in sorted(readers, key=order.__getitem__):
+    for reader in order.sorted(readers):
         anchor.prepend(reader)
+    order.invalidate()
     return True
 
 
@@ -77,13 +78,13 @@ def update_on_arrival(gm: fx.GraphModule) -> int:
     if len(groups) < 2:
         return 1
     all_chains = [n for chain in chains.values() for n in chain]
-    sunk = _sink_readers(graph, node, all_chains, {*params, *mus, *nus})
-    order = {n: k for k, n in enumerate(graph.nodes)}
-    keys = sorted(groups, key=lambda w: -1 if w is None else order[w.args[0]])  # issue order
+    order = NodeOrder(graph)
+    sunk = _sink_readers(node, all_chains, {*params, *mus, *nus}, order)
+    keys = sorted(groups, key=lambda w: -1 if w is None else order.position(w.args[0]))  # issue order
     for wait in keys:
         ks = groups[wait]
-        moved = sorted(chains[wait], key=order.__getitem__)
-        if sunk and all(order[u] > order[node] or u in chains[wait] or u is node for n in moved for u in n.users):
+        moved = order.sorted(chains[wait])
+        if sunk and all(order.before(node, u) or u in chains[wait] or u is node for n in moved for u in n.users):
             for n in moved:  # its wait and split just before its update, after the earlier updates
                 node.prepend(n)
         with graph.inserting_before(node):
@@ -102,6 +103,7 @@ def update_on_arrival(gm: fx.GraphModule) -> int:
                     [wds[k] for k in ks],
                 ),
             )
+        order.invalidate()  # moved the chain, inserted an update
     graph.erase_node(node)
     graph.lint()
     gm.recompile()
