@@ -88,7 +88,7 @@ def test_aux_that_is_not_a_dict_of_tensors():
     def loss_fn(params, batch):
         return forward(params, batch).mean(), {"n": 3}
 
-    with pytest.raises(fsg.LossNotScalarError, match="aux output"):
+    with pytest.raises(fsg.LossNotScalarError, match="the aux metric 'n' returned by loss_fn is a int"):
         run_once(loss_fn)
 
 

@@ -11,7 +11,7 @@ def test_p_entries_and_repr():
     assert fsg.P("dp", None) == ("dp", None)
     assert repr(fsg.P(("dp", "tp"), None)) == "P(('dp', 'tp'), None)"
     assert fsg.P(("dp", "tp"), None, "x").axes() == ["dp", "tp", "x"]
-    with pytest.raises(TypeError, match="axis names, tuples of axis names or None"):
+    with pytest.raises(fsg.MeshError, match="axis names, tuples of axis names or None"):
         fsg.P(3)
 
 

@@ -79,3 +79,10 @@ class PassInvariantError(FsgError):
 class VerificationError(FsgError):
     """``compile_step(..., verify=True)`` (or ``fsg.testing.verify_step``) found the sharded
     step computing something other than the unsharded step."""
+
+
+class ArgumentError(FsgError, ValueError, TypeError):
+    """An argument a public fsg function does not accept: of the wrong type (``optimizer=None``,
+    a schedule where a float is due) or out of its range (a negative learning rate,
+    ``accum_steps=0``, ``max_to_keep=0``). A ``ValueError`` and a ``TypeError`` both, so code
+    that caught either before still does."""

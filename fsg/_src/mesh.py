@@ -32,10 +32,13 @@ class P(tuple):
     """
 
     def __new__(cls, *entries: SpecEntry) -> P:
-        for entry in entries:
+        for i, entry in enumerate(entries):
             names = entry if isinstance(entry, tuple) else (entry,)
             if not all(n is None or isinstance(n, str) for n in names):
-                raise TypeError(f"P entries are axis names, tuples of axis names or None; got {entry!r}")
+                raise MeshError(
+                    f"P entries are axis names, tuples of axis names or None; entry {i} is "
+                    f"{type(entry).__name__} {entry!r}. Write P('dp', None) or P(('dp', 'tp'))"
+                )
         return super().__new__(cls, entries)
 
     def __repr__(self) -> str:
@@ -67,11 +70,9 @@ class Mesh:
     """
 
     def __init__(self, axes: dict[str, int], *, device_type: str | None = None):
-        if not axes:
-            raise MeshError("a Mesh needs at least one axis, e.g. Mesh({'dp': 2})")
-        for name, size in axes.items():
-            if not isinstance(name, str) or not isinstance(size, int) or size < 1:
-                raise MeshError(f"mesh axes map names to positive sizes; got {name!r}: {size!r}")
+        _check_axes(axes)
+        if device_type is not None:
+            _check_device_type(device_type)
         self.axis_names = tuple(axes)
         self.shape = tuple(axes.values())
         self.size = math.prod(self.shape)
@@ -145,3 +146,37 @@ class Mesh:
                 if name is not None:
                     out[self.axis_names.index(name)] = Shard(dim)
         return out
+
+
+def _check_axes(axes: object) -> None:
+    """Raises ``MeshError`` unless ``axes`` is a non-empty dict of distinct names to sizes >= 1."""
+    if not isinstance(axes, dict):
+        names = [a[0] for a in axes if isinstance(a, tuple) and a] if isinstance(axes, (list, tuple)) else []
+        twice = sorted({n for n in names if names.count(n) > 1}, key=str)
+        dup = f" (and names {', '.join(map(repr, twice))} more than once: each axis needs its own name)" if twice else ""
+        raise MeshError(
+            f"Mesh(axes) takes a dict {{name: size}}, got {type(axes).__name__} {axes!r:.60}{dup}; "
+            f"write Mesh({{'dp': 2, 'tp': 2}})"
+        )
+    if not axes:
+        raise MeshError("a Mesh needs at least one axis, e.g. Mesh({'dp': 2})")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise MeshError(f"mesh axis names are non-empty strings; got {name!r} in {axes}; name it, e.g. 'dp'")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise MeshError(
+                f"mesh axis {name!r} has size {size!r}; axis sizes are ints >= 1 (their product is the "
+                f"world size): give every axis a positive size"
+            )
+
+
+def _check_device_type(device_type: object) -> None:
+    try:
+        ok = isinstance(device_type, str) and torch.device(device_type).index is None
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise MeshError(
+            f"Mesh(device_type=...) must be a device type such as 'cuda' or 'cpu' (no index: each rank "
+            f"picks its own device), got {device_type!r}"
+        )

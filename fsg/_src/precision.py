@@ -6,10 +6,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsg._src import tree
+from fsg._src import checks, tree
 
 
-class Policy(NamedTuple):
+class _PolicyFields(NamedTuple):
+    param: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype | None
+
+
+class Policy(_PolicyFields):
     """Which floating-point dtypes a step uses.
 
     Attributes:
@@ -32,9 +38,14 @@ class Policy(NamedTuple):
       torch.bfloat16
     """
 
-    param: torch.dtype = torch.float32
-    compute: torch.dtype = torch.float32
-    reduce: torch.dtype | None = None
+    __slots__ = ()
+
+    def __new__(
+        cls, param: torch.dtype = torch.float32, compute: torch.dtype = torch.float32, reduce: torch.dtype | None = None
+    ) -> Policy:
+        policy = super().__new__(cls, param, compute, reduce)
+        check_policy(policy)
+        return policy
 
     def cast_compute(self, tree_: Any) -> Any:
         """Floating-point leaves of ``tree_`` in the compute dtype; other leaves unchanged."""
@@ -46,13 +57,14 @@ class Policy(NamedTuple):
 
 
 def check_policy(policy: Any) -> Policy:
-    """``policy`` if it is a valid ``Policy``; a ``TypeError`` naming the field otherwise."""
-    if not isinstance(policy, Policy):
-        raise TypeError(f"precision must be an fsg.Policy, got {type(policy).__name__}")
+    """``policy`` if it is a valid ``Policy``; an ``ArgumentError`` naming the field otherwise."""
+    checks.instance("precision", policy, Policy, what="an fsg.Policy",
+                    fix="E.g. precision=fsg.Policy(compute=torch.bfloat16)")  # fmt: skip
     for name in ("param", "compute", "reduce"):
         dtype = getattr(policy, name)
         if dtype is None and name == "reduce":
             continue
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"fsg.Policy({name}=...) must be a floating-point torch.dtype, got {dtype!r}")
+            raise checks.fail(f"fsg.Policy({name}=...)", "must be a floating-point torch.dtype", dtype,
+                              "E.g. torch.float32 or torch.bfloat16 (integer leaves keep their dtype anyway)")  # fmt: skip
     return policy

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Union
 
-from fsg._src import tree
+from fsg._src import checks, tree
+from fsg._src.errors import ArgumentError
 from fsg._src.mesh import Mesh, P
 
 SpecOrFn = Union[P, Callable[[tuple[int, ...], Mesh], P]]
@@ -23,7 +24,10 @@ class Rules:
     ``(shape, mesh) -> P`` for shape-dependent choices (FSDP picks a divisible dim)."""
 
     def __init__(self, rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = REPLICATED):
-        self._rules = [(re.compile(pattern), spec) for pattern, spec in rules]
+        checks.instance("sharding.rules(rules)", rules, (list, tuple), what="a list of (regex, spec) pairs",
+                        fix="E.g. [(r'.*\\.qkv\\.weight', fsg.P('tp', None))]")  # fmt: skip
+        self._rules = [_compile_rule(i, rule) for i, rule in enumerate(rules)]
+        _check_spec("sharding.rules(default=...)", default)
         self._default = default
 
     def __repr__(self) -> str:
@@ -33,14 +37,45 @@ class Rules:
         """The spec of the parameter ``name`` with ``shape`` on ``mesh``."""
         for pattern, spec in self._rules:
             if pattern.fullmatch(name):
-                return spec(shape, mesh) if callable(spec) else spec
-        return self._default(shape, mesh) if callable(self._default) else self._default
+                return _call(spec, name, shape, mesh, f"the rule {pattern.pattern!r}")
+        return _call(self._default, name, shape, mesh, "the default rule")
 
     def __add__(self, other: Rules) -> Rules:
         """Rules of ``self`` first, then ``other``'s; ``other``'s default."""
         combined = Rules([], other._default)
         combined._rules = self._rules + other._rules
         return combined
+
+
+def _check_spec(where: str, spec: object) -> None:
+    if not isinstance(spec, P) and not callable(spec):
+        raise checks.fail(where, "must be an fsg.P or a function (shape, mesh) -> fsg.P", spec,
+                          "Wrap axis names in a spec: fsg.P('tp', None)")  # fmt: skip
+
+
+def _compile_rule(i: int, rule: object) -> tuple[re.Pattern, SpecOrFn]:
+    if not (isinstance(rule, tuple) and len(rule) == 2):
+        raise checks.fail(f"sharding.rules: rule {i}", "must be a pair (regex, spec)", rule,
+                          "E.g. (r'.*\\.fc\\.weight', fsg.P('tp', None))")  # fmt: skip
+    pattern, spec = rule
+    checks.instance(f"sharding.rules: the regex of rule {i}", pattern, str, what="a str")
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ArgumentError(
+            f"sharding.rules: rule {i} has the regex {pattern!r}, which does not compile ({exc}); "
+            f"escape literal dots and brackets (r'blocks\\.0\\.fc\\.weight', re.escape(name))"
+        ) from exc
+    _check_spec(f"sharding.rules: the spec of rule {i} ({pattern!r})", spec)
+    return compiled, spec
+
+
+def _call(spec: SpecOrFn, name: str, shape: tuple[int, ...], mesh: Mesh, which: str) -> P:
+    out = spec(shape, mesh) if callable(spec) else spec
+    if not isinstance(out, P):
+        raise checks.fail(f"{which}, for the parameter {name!r},", "must give an fsg.P", out,
+                          "Return fsg.P(...) from the spec function")  # fmt: skip
+    return out
 
 
 def rules(rules: list[tuple[str, SpecOrFn]], default: SpecOrFn = REPLICATED) -> Rules:

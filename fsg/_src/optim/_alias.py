@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fsg._src import checks
+from fsg._src.optim import _checks
 from fsg._src.optim._base import AdamWSpec, GradientTransformation, chain
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import (
@@ -24,8 +26,12 @@ def sgd(
     Example:
       >>> opt = fsg.optim.sgd(0.1, momentum=0.9, nesterov=True)
     """
+    _checks.learning_rate("sgd(learning_rate=...)", learning_rate)
+    if momentum is not None:
+        _checks.non_negative("sgd(momentum=...)", momentum, fix="Pass a momentum such as 0.9, or None for none")
+    checks.flag("sgd(nesterov=...)", nesterov)
     if nesterov and not momentum:
-        raise ValueError("sgd: nesterov=True needs a momentum > 0")
+        raise checks.fail("sgd(nesterov=True)", "needs a momentum > 0", momentum, "Pass momentum=0.9, say")
     parts = [trace(decay=momentum, nesterov=nesterov)] if momentum else []
     return chain(*parts, scale_by_learning_rate(learning_rate))
 
@@ -38,6 +44,7 @@ def adam(
     Example:
       >>> opt = fsg.optim.adam(1e-3)
     """
+    _adam_checks("adam", learning_rate, b1, b2, eps)
     transformation = chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
     # AdamW without decay: compile_step may run the fused AdamW kernel (fsg/_src/passes/fuse_adamw.py).
     return transformation._replace(spec=AdamWSpec(b1, b2, eps, 0.0, None, learning_rate, decay_state=False))
@@ -66,6 +73,8 @@ def adamw(
     Example:
       >>> opt = fsg.optim.adamw(fsg.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
     """
+    _adam_checks("adamw", learning_rate, b1, b2, eps)
+    _checks.non_negative("adamw(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
     transformation = chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps),
         add_decayed_weights(weight_decay, mask=mask),
@@ -88,8 +97,19 @@ def lion(
     Example:
       >>> opt = fsg.optim.lion(1e-4, weight_decay=0.1)
     """
+    _checks.learning_rate("lion(learning_rate=...)", learning_rate)
+    _checks.beta("lion(b1=...)", b1)
+    _checks.beta("lion(b2=...)", b2)
+    _checks.non_negative("lion(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
     return chain(
         scale_by_lion(b1=b1, b2=b2),
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
+
+
+def _adam_checks(name: str, learning_rate: ScalarOrSchedule, b1: float, b2: float, eps: float) -> None:
+    _checks.learning_rate(f"{name}(learning_rate=...)", learning_rate)
+    _checks.beta(f"{name}(b1=...)", b1)
+    _checks.beta(f"{name}(b2=...)", b2)
+    _checks.eps(f"{name}(eps=...)", eps)

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fsg._src import tree
+from fsg._src import checks, tree
 
 Params = Any
 Updates = Any
@@ -73,6 +73,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
       >>> opt = fsg.optim.chain(fsg.optim.clip_by_global_norm(1.0), fsg.optim.adam(1e-3))
     """
 
+    for i, t in enumerate(transforms):
+        check_transformation(f"chain(...): argument {i}", t)
+
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
@@ -84,6 +87,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_states)
 
     return GradientTransformation(init, update)
+
+
+def check_transformation(where: str, value: Any) -> None:
+    """Raises ``ArgumentError`` unless ``value`` is a ``GradientTransformation``."""
+    if isinstance(value, GradientTransformation):
+        return
+    fix = "Use fsg.optim.adamw(...), fsg.optim.sgd(...) or another fsg.optim builder"
+    if isinstance(value, torch.optim.Optimizer) or isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        fix = f"fsg optimizers are optax-style pure functions, not torch.optim classes. {fix}"
+    raise checks.fail(where, "must be an fsg.optim.GradientTransformation", value, fix)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

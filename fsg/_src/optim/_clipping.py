@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fsg._src import tree
+from fsg._src import checks, tree
 from fsg._src.optim._base import EmptyState, GradientTransformation, global_norm
 
 
@@ -20,8 +20,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
       >>> u["g"]
       tensor([0.6000, 0.8000])
     """
-    if max_norm <= 0:
-        raise ValueError(f"clip_by_global_norm: max_norm must be positive, got {max_norm}")
+    checks.real("clip_by_global_norm(max_norm=...)", max_norm, low=0.0, low_open=True, fix="Pass a norm such as 1.0")
 
     def init(params):
         return EmptyState()

@@ -12,6 +12,8 @@ from typing import Callable, Union
 
 import torch
 
+from fsg._src import checks
+
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 ScalarOrSchedule = Union[float, Schedule]
 
@@ -50,8 +52,10 @@ def linear(init_value: float, end_value: float, transition_steps: int, *, transi
       >>> fsg.optim.linear(0.0, 1.0, 10)(5)
       tensor(0.5000)
     """
-    if transition_steps <= 0:
-        raise ValueError(f"linear: transition_steps must be positive, got {transition_steps}")
+    checks.real("linear(init_value=...)", init_value)
+    checks.real("linear(end_value=...)", end_value)
+    checks.integer("linear(transition_steps=...)", transition_steps, low=1, fix="transition_steps must be positive")
+    checks.integer("linear(transition_begin=...)", transition_begin, low=0)
 
     def schedule(count):
         frac = torch.clamp((_as_float(count) - transition_begin) / transition_steps, 0.0, 1.0)
@@ -67,8 +71,9 @@ def cosine(init_value: float, decay_steps: int, *, alpha: float = 0.0) -> Schedu
       >>> fsg.optim.cosine(1.0, 100)(50)
       tensor(0.5000)
     """
-    if decay_steps <= 0:
-        raise ValueError(f"cosine: decay_steps must be positive, got {decay_steps}")
+    checks.real("cosine(init_value=...)", init_value)
+    checks.integer("cosine(decay_steps=...)", decay_steps, low=1, fix="decay_steps must be positive")
+    checks.real("cosine(alpha=...)", alpha, low=0.0, high=1.0, fix="alpha is the final fraction of init_value")
 
     def schedule(count):
         frac = torch.clamp(_as_float(count) / decay_steps, 0.0, 1.0)
@@ -95,8 +100,15 @@ def warmup_cosine(
       >>> float(s(5)), float(s(10)), float(s(110))
       (0.5, 1.0, 0.0)
     """
-    if not 0 <= warmup < total:
-        raise ValueError(f"warmup_cosine: need 0 <= warmup < total, got warmup={warmup}, total={total}")
+    for name, value in (("peak_value", peak_value), ("init_value", init_value), ("end_value", end_value)):
+        checks.real(f"warmup_cosine({name}=...)", value)
+    checks.integer("warmup_cosine(warmup=...)", warmup, low=0)
+    checks.integer("warmup_cosine(total=...)", total, low=1)
+    if not warmup < total:
+        raise checks.fail(
+            "warmup_cosine(warmup=..., total=...)", f"needs 0 <= warmup < total (total={total})", warmup,
+            "total counts every step, the warm-up included",
+        )
 
     def schedule(count):
         t = _as_float(count)
@@ -117,6 +129,12 @@ def piecewise(init_value: float, boundaries_and_scales: dict[int, float]) -> Sch
       >>> [round(float(s(t)), 4) for t in (0, 10, 25)]
       [1.0, 0.1, 0.01]
     """
+    checks.real("piecewise(init_value=...)", init_value)
+    checks.instance("piecewise(boundaries_and_scales=...)", boundaries_and_scales, dict, what="a dict {step: scale}",
+                    fix="E.g. {10_000: 0.1, 20_000: 0.1}")  # fmt: skip
+    for boundary, scale in boundaries_and_scales.items():
+        checks.integer(f"piecewise: boundary {boundary!r}", boundary, low=0, fix="Boundaries are step counts")
+        checks.real(f"piecewise: the scale at step {boundary}", scale)
     items = sorted(boundaries_and_scales.items())
 
     def schedule(count):

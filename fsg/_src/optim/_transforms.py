@@ -6,7 +6,8 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from fsg._src import tree
+from fsg._src import checks, tree
+from fsg._src.optim import _checks
 from fsg._src.optim._base import EmptyState, GradientTransformation, zeros_count
 from fsg._src.optim._schedules import ScalarOrSchedule, as_schedule
 
@@ -27,6 +28,9 @@ def scale_by_adam(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> G
     Example:
       >>> opt = fsg.optim.scale_by_adam(b1=0.9)
     """
+    _checks.beta("scale_by_adam(b1=...)", b1)
+    _checks.beta("scale_by_adam(b2=...)", b2)
+    _checks.eps("scale_by_adam(eps=...)", eps)
 
     def init(params):
         zeros = tree.tree_map(torch.zeros_like, params)
@@ -59,6 +63,8 @@ def scale_by_lion(*, b1: float = 0.9, b2: float = 0.99) -> GradientTransformatio
     Example:
       >>> opt = fsg.optim.scale_by_lion(b1=0.9, b2=0.99)
     """
+    _checks.beta("scale_by_lion(b1=...)", b1)
+    _checks.beta("scale_by_lion(b2=...)", b2)
 
     def init(params):
         return ScaleByLionState(zeros_count(params), tree.tree_map(torch.zeros_like, params))
@@ -84,6 +90,8 @@ def trace(*, decay: float, nesterov: bool = False) -> GradientTransformation:
     Example:
       >>> opt = fsg.optim.trace(decay=0.9, nesterov=True)
     """
+    _checks.non_negative("trace(decay=...)", decay, fix="Pass a momentum such as 0.9")
+    checks.flag("trace(nesterov=...)", nesterov)
 
     def init(params):
         return TraceState(tree.tree_map(torch.zeros_like, params))
@@ -113,8 +121,11 @@ def add_decayed_weights(weight_decay: float = 0.0, *, mask: MaskOrFn = None) -> 
       >>> no_1d = lambda params: {k: v.ndim >= 2 for k, v in params.items()}
       >>> opt = fsg.optim.add_decayed_weights(0.1, mask=no_1d)
     """
+    _checks.non_negative("add_decayed_weights(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
 
     def init(params):
+        if mask is not None:  # checked here, once, against the params the state is built for
+            _checks.mask("add_decayed_weights(mask=...)", _resolve_mask(mask, params), params)
         return EmptyState()
 
     def update(updates, state, params=None):
@@ -137,6 +148,7 @@ def scale(factor: float) -> GradientTransformation:
     Example:
       >>> opt = fsg.optim.scale(-0.5)
     """
+    checks.real("scale(factor=...)", factor)
 
     def init(params):
         return EmptyState()
@@ -159,6 +171,10 @@ def scale_by_schedule(schedule: ScalarOrSchedule) -> GradientTransformation:
     Example:
       >>> opt = fsg.optim.scale_by_schedule(fsg.optim.cosine(1.0, 1000))
     """
+    if callable(schedule):
+        _checks.schedule("scale_by_schedule(schedule=...)", schedule)
+    else:
+        checks.real("scale_by_schedule(schedule=...)", schedule, fix="Pass a float or a schedule")
     fn = as_schedule(schedule)
 
     def init(params):
@@ -190,6 +206,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     Example:
       >>> opt = fsg.optim.scale_by_learning_rate(fsg.optim.warmup_cosine(1e-3, warmup=10, total=100))
     """
+    _checks.learning_rate("scale_by_learning_rate(learning_rate=...)", learning_rate)
+    checks.flag("scale_by_learning_rate(flip_sign=...)", flip_sign)
     fn = as_schedule(learning_rate)
     sign = -1.0 if flip_sign else 1.0
 

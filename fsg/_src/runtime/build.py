@@ -22,6 +22,7 @@ from fsg._src.optim._base import GradientTransformation
 from fsg._src.passes import fuse_adamw as fusion
 from fsg._src.passes import pipeline
 from fsg._src.precision import Policy
+from fsg._src.runtime import validate
 from fsg._src.sharding import op_support, placement, spmd
 from fsg._src.trace import purity
 from fsg._src.trace import tracing as trace_lib
@@ -69,6 +70,7 @@ class Builder:
         update, stage 1 traces a stand-in for the update's math (``fuse_adamw.stand_in``);
         should the fusion pass then refuse the graph, it says why in the log and everything is
         traced again with the real math."""
+        validate.check_inputs(self._loss_fn, self._optimizer, state, batch)
         build = self._local if self._mesh is None else self._mesh_build
         adamw = self.fusion_plan(state)
         graph = build(state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None)

@@ -6,6 +6,7 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.precision import Policy
 from fsg._src.rules import Rules
+from fsg._src.runtime import validate
 from fsg._src.runtime.step import LossFn, Step
 
 
@@ -90,21 +91,10 @@ def compile_step(
       >>> sorted(metrics)
       ['grad_norm', 'loss', 'lr']
     """
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"compile_step: mesh must be an fsg.Mesh or None, got {type(mesh).__name__}")
-    return Step(
-        loss_fn,
-        optimizer,
-        backend=backend,
-        donate=donate,
-        strict=strict,
-        mesh=mesh,
-        param_sharding=param_sharding,
-        batch_sharding=batch_sharding,
-        precision=precision,
-        accum_steps=accum_steps,
-        fused_optimizer=fused_optimizer,
-        cuda_graph=cuda_graph,
-        bucket_mb=bucket_mb,
-        verify=verify,
-    )
+    options = dict(
+        backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
+        precision=precision, accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
+        bucket_mb=bucket_mb, verify=verify,
+    )  # fmt: skip
+    validate.check_compile_args(loss_fn, mesh, optimizer, options)
+    return Step(loss_fn, optimizer, mesh=mesh, **options)

@@ -29,6 +29,7 @@ from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.passes import buckets
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules
+from fsg._src.runtime import validate
 from fsg._src.runtime import verify as verify_lib
 from fsg._src.runtime.build import Builder, Built
 from fsg._src.runtime.lowered import Lowered
@@ -141,7 +142,7 @@ class Step:
           a mesh every leaf is a ``DTensor`` placed by ``param_sharding`` (optimizer state
           follows its parameter; scalars are replicated), and each rank holds only its shards.
         """
-        tree.check_tensor_leaves(params, "params")
+        validate.check_init(params, seed)
         params = self._precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
         buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
         tree.check_tensor_leaves(buffers, "buffers")

@@ -48,11 +48,20 @@ def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[
             f"loss_fn must return a 0-d floating-point tensor, or (loss, aux) with aux a dict of "
             f"tensors; it returned {what}. Reduce the loss with .mean() or .sum()."
         )
-    if not isinstance(aux, dict) or not all(isinstance(v, torch.Tensor) for v in aux.values()):
+    if not isinstance(aux, dict):
         raise LossNotScalarError(
             f"the aux output of loss_fn must be a dict of tensors (it becomes the step's metrics); "
             f"got {type(aux).__name__}. Return (loss, {{'name': tensor, ...}})."
         )
+    for key, value in aux.items():
+        if not isinstance(key, str):
+            raise LossNotScalarError(f"the aux output of loss_fn has the key {key!r}; metric names are strings. Rename it.")
+        if not isinstance(value, torch.Tensor):
+            raise LossNotScalarError(
+                f"the aux metric {key!r} returned by loss_fn is a {type(value).__name__} ({value!r:.40}), but every "
+                f"aux value must be a tensor computed in the step (a Python value would be frozen into the graph). "
+                f"Return it as a tensor (e.g. accuracy.float().mean()), or drop it from aux."
+            )
     return loss, aux
 
 
