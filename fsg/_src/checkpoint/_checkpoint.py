@@ -52,15 +52,30 @@ def _leaf_entry(path: str, leaf: Any) -> dict:
             "placements": [str(p) for p in leaf.placements] if isinstance(leaf, DTensor) else None,
             "pieces": [],
         }
-    if isinstance(leaf, _SCALARS):
-        return {"path": path, "kind": "scalar", "value": leaf}
-    raise CheckpointError(f"{path} is a {type(leaf).__name__}; a checkpoint holds tensors and Python scalars only")
+    return {"path": path, "kind": "scalar", "value": leaf}  # check_leaf let only scalars through
+
+
+def check_leaf(path: str, leaf: Any) -> None:
+    """Raises ``CheckpointError`` for a leaf a checkpoint cannot hold, before anything is written."""
+    if isinstance(leaf, torch.Tensor):
+        if _dtype_name(leaf.dtype) not in _io.DTYPES:
+            raise CheckpointError(
+                f"{path} is a {leaf.dtype} tensor; a checkpoint holds {sorted(_io.DTYPES)}. Save it as "
+                f"another dtype (torch.view_as_real for complex) and convert it back after restoring"
+            )
+    elif not isinstance(leaf, _SCALARS):
+        raise CheckpointError(
+            f"{path} is a {type(leaf).__name__} ({leaf!r:.40}); a checkpoint holds tensors and Python scalars "
+            f"(bool, int, float, str, None) only. Convert it (torch.as_tensor(...)) or keep it out of the saved tree"
+        )
 
 
 def local_items(state: Any) -> tuple[list[str], list[Any], list[tuple[int, _layout.Box, torch.Tensor]]]:
     """Leaf paths, leaves, and the pieces this rank writes: ``(leaf index, box, tensor)``."""
     leaves, _ = tree.flatten(state)
     paths = tree.leaf_paths(state, ROOT)
+    for path, leaf in zip(paths, leaves):
+        check_leaf(path, leaf)
     items = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -165,9 +180,15 @@ def read_meta(path: str | Path) -> dict:
     """The metadata of a complete checkpoint (``CheckpointError`` if missing or incomplete)."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"no checkpoint at {path}")
+        raise CheckpointError(
+            f"no checkpoint at {path} (no such directory); check the path (CheckpointManager(dir).all_steps() "
+            f"lists the complete checkpoints of a run)"
+        )
     if not _io.is_committed(path):
-        raise CheckpointError(f"{path} is incomplete (no {_io.COMMIT} marker: its save did not finish)")
+        raise CheckpointError(
+            f"{path} is incomplete (no {_io.COMMIT} marker: its save did not finish) and is never restored; "
+            f"restore an earlier checkpoint (CheckpointManager.latest() skips incomplete ones)"
+        )
     try:
         meta = msgpack.unpackb((path / _io.META).read_bytes())
     except (OSError, ValueError, msgpack.UnpackException) as exc:
@@ -244,6 +265,8 @@ def restore(path: str | Path, like: Any, *, select: str = ROOT) -> Any:
         match ``like`` (each message names the file and the leaf).
     """
     path = Path(path)
+    if not isinstance(select, str) or not (select == ROOT or select.startswith((ROOT + ".", ROOT + "["))):
+        raise CheckpointError(f"restore(select={select!r}): select is a leaf path from {ROOT!r}, e.g. 'state.params'")
     meta = read_meta(path)
     by_path = {entry["path"]: entry for entry in meta["leaves"]}
     like_leaves, treedef = tree.flatten(like)

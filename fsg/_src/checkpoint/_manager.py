@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import atexit
 import re
+import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from fsg._src import checks
 from fsg._src.checkpoint import _checkpoint, _io
 from fsg._src.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"step_(\d{8})")
+_LIVE: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()  # managers whose pending save exit flushes
+_FLUSH_REGISTERED = False
+
+
+def _flush_at_exit() -> None:
+    """Finishes every pending background save when the interpreter exits: without it, a script
+    that returns right after ``save`` would lose that checkpoint (its writer is a daemon thread).
+    Registered at the first manager's creation, so it runs before ``fsg.distributed.shutdown``
+    (atexit runs last-registered first) while the savers' process group still exists."""
+    for manager in list(_LIVE):
+        try:
+            manager.wait()
+        except CheckpointError as exc:
+            print(f"fsg: at exit, {exc}", file=sys.stderr)
 
 
 class CheckpointManager:
@@ -46,9 +64,16 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
     ):
-        if save_interval_steps < 1:
-            raise ValueError(f"save_interval_steps must be at least 1, got {save_interval_steps}")
+        global _FLUSH_REGISTERED
+        checks.instance("CheckpointManager(directory)", directory, (str, Path), what="a path (str or pathlib.Path)")
+        if max_to_keep is not None:
+            checks.integer("CheckpointManager(max_to_keep=...)", max_to_keep, low=1,
+                           fix="Keep at least the newest checkpoint, or pass None to keep them all")  # fmt: skip
+        checks.integer("CheckpointManager(save_interval_steps=...)", save_interval_steps, low=1)
+        checks.flag("CheckpointManager(async_save=...)", async_save)
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"CheckpointManager: {self.directory} is a file, not a directory; pick another path")
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
@@ -62,13 +87,22 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list = []  # pinned host buffers of the last snapshot (CUDA state)
+        _LIVE.add(self)
+        if not _FLUSH_REGISTERED:
+            atexit.register(_flush_at_exit)
+            _FLUSH_REGISTERED = True
 
     def step_dir(self, step: int) -> Path:
         """The directory of the checkpoint of ``step``."""
         return self.directory / f"step_{step:08d}"
 
     def all_steps(self) -> list[int]:
-        """The steps with a complete checkpoint, oldest first (incomplete ones are ignored)."""
+        """The steps with a complete checkpoint, oldest first. Waits for a save in flight; a
+        checkpoint without its commit marker (its save never finished) is not listed."""
+        self.wait()
+        return self._committed_steps()
+
+    def _committed_steps(self) -> list[int]:
         steps = []
         for child in self.directory.iterdir() if self.directory.is_dir() else ():
             match = _STEP_DIR.fullmatch(child.name)
@@ -77,13 +111,14 @@ class CheckpointManager:
         return sorted(steps)
 
     def latest(self) -> int | None:
-        """The newest step with a complete checkpoint, or ``None``."""
+        """The newest step with a complete checkpoint, or ``None``. Waits for a save in flight."""
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def save(self, step: int, state: Any, *, metadata: Any = None, force: bool = False) -> bool:
         """Saves ``state`` as the checkpoint of ``step`` if ``step`` is a multiple of
         ``save_interval_steps`` (or ``force``). Returns whether it saved. Call on every rank."""
+        checks.integer("CheckpointManager.save(step)", step, low=0, fix="Pass the training step, e.g. int(state.step)")
         self.wait()
         if not force and step % self.save_interval_steps:
             return False
@@ -132,7 +167,7 @@ class CheckpointManager:
         for stale in self.directory.glob("step_*.tmp"):
             _io.remove(stale)  # left by a crash; saves run one at a time, so none is live
         if self.max_to_keep is not None:
-            for step in self.all_steps()[: -self.max_to_keep]:
+            for step in self._committed_steps()[: -self.max_to_keep]:
                 _io.remove(self.step_dir(step))
 
     def wait(self) -> None:
@@ -145,7 +180,15 @@ class CheckpointManager:
             raise CheckpointError(f"a background checkpoint save failed: {error}") from error
 
     def restore(self, step: int, like: Any, *, select: str = _checkpoint.ROOT) -> Any:
-        """Restores the checkpoint of ``step`` into the layout of ``like`` (see ``restore``)."""
+        """Restores the checkpoint of ``step`` into the layout of ``like`` (see ``restore``).
+        Waits for a save in flight first; a checkpoint without its commit marker is refused."""
+        self.wait()
+        if step is None:
+            raise CheckpointError(
+                f"CheckpointManager.restore(None): {self.directory} has no complete checkpoint (latest() is None); "
+                f"use restore_or_init(init_fn) to start fresh when there is none"
+            )
+        checks.integer("CheckpointManager.restore(step)", step, low=0, fix=f"Pick one of all_steps() = {self.all_steps()}")
         return _checkpoint.restore(self.step_dir(step), like, select=select)
 
     def restore_or_init(self, init_fn: Callable[[], Any]) -> Any:
@@ -155,8 +198,10 @@ class CheckpointManager:
         Example:
           >>> state = manager.restore_or_init(lambda: step.init(fsg.params(model)))  # doctest: +SKIP
         """
+        checks.function("CheckpointManager.restore_or_init(init_fn)", init_fn,
+                        fix="Pass a function that builds the fresh state: lambda: step.init(fsg.params(model))")  # fmt: skip
         state = init_fn()
-        latest = self.latest()
+        latest = self.latest()  # waits for a save in flight
         return state if latest is None else self.restore(latest, like=state)
 
     def close(self) -> None:
