@@ -28,6 +28,8 @@ from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
 from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
+from fsg._src.runtime.eval_step import EvalStep as EvalStep
+from fsg._src.runtime.eval_step import compile_eval as compile_eval
 from fsg._src.runtime.lowered import Cost as Cost
 from fsg._src.runtime.lowered import Lowered as Lowered
 from fsg._src.runtime.memory import Memory as Memory
@@ -41,6 +43,7 @@ __all__ = [
     "checkpoint",
     "Cost",
     "CudaGraphWarning",
+    "EvalStep",
     "Mesh",
     "MeshError",
     "P",
@@ -65,6 +68,7 @@ __all__ = [
     "UnsupportedError",
     "apply",
     "buffers",
+    "compile_eval",
     "compile_step",
     "nn",
     "optim",
