@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fsg._src.errors import MeshError
+from fsg._src.errors import ArgumentError, MeshError
 
 _BEFORE_SHUTDOWN: list[Callable[[], Any]] = []  # see before_shutdown
 
@@ -37,6 +37,12 @@ def initialize(*, backend: str | None = None) -> ProcessInfo:
     Example:
       >>> info = fsg.distributed.initialize()   # under torchrun --nproc-per-node=2: rank 0 or 1
     """
+    known = dist.Backend.backend_list
+    if backend is not None and not (isinstance(backend, str) and all(b.split(":")[-1] in known for b in backend.split(","))):
+        raise ArgumentError(
+            f"fsg.distributed.initialize(backend={backend!r}): not a torch.distributed backend; pass None "
+            f"(NCCL on CUDA, gloo on CPU), 'gloo' or 'nccl'"
+        )
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -15,6 +15,8 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
+from fsg._src import checks
+
 _MESHES: dict[tuple, Any] = {}
 
 
@@ -48,6 +50,8 @@ class MultiRank:
     """
 
     def __init__(self, world_size: int, *, timeout: float = 300.0):
+        checks.integer("MultiRank(world_size)", world_size, low=1, fix="It is the number of ranks to start, e.g. 2")
+        checks.real("MultiRank(timeout=...)", timeout, low=0.0, low_open=True, fix="Seconds a run may take")
         self.world_size = world_size
         self.timeout = timeout
         ctx = mp.get_context("spawn")
@@ -124,6 +128,7 @@ def mesh(axes: dict[str, int]):
     groups; a property test asks for the same few meshes many times)."""
     from fsg._src.mesh import Mesh
 
+    checks.instance("fsg.testing.mesh(axes)", axes, dict, what="a dict {name: size}", fix="E.g. {'dp': 2}")
     key = tuple(axes.items())
     if key not in _MESHES:
         _MESHES[key] = Mesh(dict(axes), device_type="cpu")
