@@ -14,10 +14,10 @@ last input is computed, and its wait right before the first use of any result. C
 are asynchronous on NCCL, so a bucket reduces while the rest of the backward runs.
 
 Buckets are cut by ``bucketing.buckets`` and packed by ``packing.pack`` (shared with
-``prefetch.py``). A bucket never holds an all-reduce whose input depends on an earlier member's result (tensor
-parallel's forward all-reduces do): it is closed before such a member, so the rewrite keeps
-every dependency. The sums are elementwise, so the result is the same as one collective per
-tensor.
+``prefetch.py``). A bucket never holds an all-reduce whose input depends on an earlier
+member's result (tensor parallel's forward all-reduces do): it is closed before such a
+member, so the rewrite keeps every dependency. The sums are elementwise, so the result is the
+same as one collective per tensor.
 
 The forward's small collectives stop blocking the step too: one whose input depends on the
 batch alone (the token count of a mean loss) is issued at the step's start, and a wait whose
