@@ -39,8 +39,9 @@ class CheckpointManager:
     keeps the newest ``max_to_keep``, and restores the latest.
 
     With ``async_save=True`` (default) ``save`` blocks only while the state is copied to host
-    memory; the files are written by a background thread. An error of a background save is
-    raised by the next call to ``save`` or ``wait``. The directory must be visible to every
+    memory; the files are written by a background thread. ``latest``, ``all_steps``, ``restore``
+    and ``restore_or_init`` wait for it first, and interpreter exit finishes it. An error of a
+    background save is raised by the next ``save``, ``wait`` or read. The directory must be visible to every
     rank (a shared filesystem).
 
     Example:
