@@ -90,6 +90,8 @@ CASES = {
     "init without float params": Case(lambda t: compile_().init({"ids": torch.arange(3)}), ArgumentError,
                                       ("step.init(params)", "no floating-point tensor")),
     "init seed not an int": Case(lambda t: compile_().init(fsg.params(MODEL), seed="0"), ArgumentError, ("step.init(seed=...)",)),
+    "init seed beyond int64": Case(lambda t: compile_().init(fsg.params(MODEL), seed=2**64), ArgumentError,
+                                   ("step.init(seed=...)", "2**63")),
     # the state at the first call
     "state not a TrainState": Case(lambda t: first_step(state=lambda s: {"params": fsg.params(MODEL)}), ArgumentError,
                                    ("state must be the fsg.TrainState", "step.init(fsg.params(model))")),
@@ -175,6 +177,8 @@ CASES = {
     "rule not a pair": Case(lambda t: fsg.sharding.rules([".*weight"]), ArgumentError, ("rule 0", "pair (regex, spec)")),
     "rule function not giving a P": Case(lambda t: fsg.sharding.rules([(".*", lambda shape, mesh: "tp")]).spec_for(
         "w", (4,), fsg.Mesh({"tp": 1})), ArgumentError, ("for the parameter 'w'", "fsg.P")),
+    "rules added to a non-rule": Case(lambda t: fsg.sharding.fsdp() + fsg.P("dp"), ArgumentError,
+                                     ("Rules + other", "fsg.sharding rules")),
     # Policy
     "Policy with an integer dtype": Case(lambda t: fsg.Policy(param=torch.int8), ArgumentError,
                                          ("fsg.Policy(param=...)", "torch.int8", "floating-point")),
@@ -194,6 +198,8 @@ CASES = {
                                        fsg.CheckpointError, ("state['w']", "float32[2]", "int32[2]")),
     "restore select outside the state": Case(lambda t: fsg.checkpoint.restore(saved(t), like={}, select="params"),
                                              fsg.CheckpointError, ("select='params'", "state.params")),
+    "export_safetensors of a non-tensor": Case(lambda t: fsg.checkpoint.export_safetensors(t / "m.safetensors", {"w": 1.0}),
+                                               fsg.CheckpointError, ("export_safetensors", "'w'", "float")),
     "manager keeping 0": Case(lambda t: manager(t, max_to_keep=0), ArgumentError, ("max_to_keep", ">= 1", "None")),
     "manager interval 0": Case(lambda t: manager(t, save_interval_steps=0), ArgumentError, ("save_interval_steps", ">= 1")),
     "manager in a file": Case(lambda t: fsg.checkpoint.CheckpointManager(a_file(t)), fsg.CheckpointError,

@@ -42,6 +42,8 @@ class Rules:
 
     def __add__(self, other: Rules) -> Rules:
         """Rules of ``self`` first, then ``other``'s; ``other``'s default."""
+        checks.instance("Rules + other: other", other, Rules, what="fsg.sharding rules",
+                        fix="Add rules to rules: fsg.sharding.tensor_parallel() + fsg.sharding.fsdp()")  # fmt: skip
         combined = Rules([], other._default)
         combined._rules = self._rules + other._rules
         return combined

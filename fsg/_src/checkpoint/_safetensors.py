@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from fsg._src import tree
 from fsg._src.checkpoint import _io
 from fsg._src.checkpoint._checkpoint import _rank_world
+from fsg._src.errors import CheckpointError
 from fsg._src.rules import param_names
 
 _CODES = {
@@ -37,6 +38,13 @@ def export_safetensors(path: str | Path, params: Any, *, metadata: dict[str, str
       True
     """
     leaves, _ = tree.flatten(params)
+    for name, leaf in zip(param_names(params), leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype not in _CODES:
+            what = f"a {leaf.dtype} tensor" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
+            raise CheckpointError(
+                f"export_safetensors: {name!r} is {what}; safetensors holds tensors of "
+                f"{sorted(str(d).removeprefix('torch.') for d in _CODES)}. Export the params only (state.params)"
+            )
     full = [leaf.full_tensor() if isinstance(leaf, DTensor) else leaf for leaf in leaves]
     if _rank_world()[0] != 0:
         return

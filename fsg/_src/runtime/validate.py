@@ -69,6 +69,8 @@ def check_init(params: Any, seed: Any) -> None:
         raise checks.fail("step.init(params)", "has no floating-point tensor, so the step would train nothing", params,
                           "Pass fsg.params(model) of a model with parameters")  # fmt: skip
     checks.integer("step.init(seed=...)", seed, low=0, fix="The seed keys the step's random ops (state.rng)")
+    if seed >= 2**63:
+        raise checks.fail("step.init(seed=...)", "must be below 2**63 (it is stored as int64)", seed)
 
 
 def check_inputs(loss_fn: Any, optimizer: Any, state: Any, batch: Any) -> None:
