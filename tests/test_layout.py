@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "fsg" / "_src"
 # Each entry is one layer; a layer's packages may import from earlier layers only (and from
 # themselves). kernels, optim and checkpoint are libraries: none imports another or any stage.
 LAYERS = [
-    {"_torch_private", "errors", "checks", "tree", "version", "graph_facts"},
+    {"_torch_private", "errors", "checks", "tree", "version", "graph_facts", "decompositions"},
     {"mesh", "rules", "train_state", "precision", "functional", "distributed"},
     {"kernels"},
     {"optim"},

@@ -22,6 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsg._src import decompositions as fsg_decompositions
+
 __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
@@ -187,7 +189,8 @@ def trace_fake(
     """Traces ``fn(*args)`` to an aten FX graph on fake tensors.
 
     ``decompositions`` maps ops to Python functions run in their place while tracing (the
-    graph records what they call).
+    graph records what they call); fsg's corrections of torch's decompositions
+    (``fsg/_src/decompositions.py``) always apply.
 
     Real tensors that ``fn`` closes over (a module's own buffers, say) are allowed and become
     constants of the graph (``_allow_non_fake_inputs``). ``source_lines`` records each node's
@@ -196,7 +199,7 @@ def trace_fake(
     """
     return make_fx(
         fn,
-        decomposition_table=decompositions,
+        decomposition_table={**(decompositions or {}), **fsg_decompositions.CORRECTIONS},
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=source_lines,

@@ -370,6 +370,7 @@ LOSSES = [
     Case("F.cosine_embedding_loss", "loss", _on_output(lambda o, b: F.cosine_embedding_loss(o, b["z"], b["t"], margin=0.1), _pair_targets)),
     Case("F.triplet_margin_loss", "loss", _on_output(lambda o, b: F.triplet_margin_loss(o, b["pos"], b["neg"], margin=2.0), _triplets)),
     Case("F.triplet_margin_with_distance_loss(cosine distance)", "loss", _on_output(lambda o, b: F.triplet_margin_with_distance_loss(o, b["pos"], b["neg"], distance_function=lambda u, v: 1 - F.cosine_similarity(u, v), margin=1.0), _triplets)),
+    Case("F.pdist(o).mean() (distances between batch rows)", "loss", _on_output(lambda o, b: F.pdist(o).mean(), _regression)),
     Case("fsg.nn.cross_entropy(ignore_index=-100)", "loss", _on_output(lambda o, b: fsg.nn.cross_entropy(o, b["y"]), _classes_some_ignored)),
     Case("fsg.nn.linear_cross_entropy", "loss", _linear_cross_entropy, tp=True),
 ]  # fmt: skip
@@ -821,6 +822,7 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     Case("torch.topk(k=H // 2, dim=-1).values", "op", _on_hidden(lambda h, b: torch.topk(h, h.shape[-1] // 2, -1).values, width=_half, head="head"), tp=True),
     Case("torch.sort(dim=-1).values", "op", _pointwise(lambda h: torch.sort(h, -1).values), tp=True),
     Case("torch.sort(dim=0, descending=True).values over the batch", "op", _pointwise(lambda h: torch.sort(h, 0, descending=True).values)),
+    Case("torch.cdist(h, h) @ h over the batch", "op", _pointwise(lambda h: torch.cdist(h, h) @ h / h.shape[0])),
 ]  # fmt: skip
 
 

@@ -97,7 +97,7 @@ def test_column_row_tensor_parallel_mlp_all_reduces_once_forward_once_backward(r
         (
             "no_rule",
             "ShardingRuleError",
-            r"aten._pdist_forward.default at File .*workers.py.*pdist\(out\).*\(16, 4\) \[Shard\(0\)\]",
+            r"fsg_test.unruled.default at File .*workers.py.*unruled\(out\).*\(16, 4\) \[Shard\(0\)\]",
         ),
     ],
 )

@@ -163,7 +163,8 @@ def expect_error(axes: dict, case: str) -> str:
 
     def no_rule_loss(params, batch):
         out = fsg.apply(model, params, batch["x"])
-        return torch.nn.functional.pdist(out).mean()  # no DTensor rule and no decomposition for pdist
+        # no DTensor rule, and not an ATen op, so fsg cannot run it replicated on its own say
+        return torch.ops.fsg_test.unruled(out).mean()
 
     loss_fn = no_rule_loss if case == "no_rule" else mse_loss_fn(model)
     step = fsg.compile_step(loss_fn, mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules, backend="eager")
@@ -173,6 +174,19 @@ def expect_error(axes: dict, case: str) -> str:
     except fsg.FsgError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+@torch.library.custom_op("fsg_test::unruled", mutates_args=())
+def unruled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@unruled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+unruled.register_autograd(lambda ctx, grad: grad * 3)
 
 
 # --- checkpoints across meshes ---------------------------------------------------------

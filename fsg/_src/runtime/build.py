@@ -73,10 +73,14 @@ class Builder:
         validate.check_inputs(self._loss_fn, self._optimizer, state, batch)
         build = self._local if self._mesh is None else self._mesh_build
         adamw = self.fusion_plan(state)
-        graph = build(state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None)
+        graph = build(
+            state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None
+        )
         on_mesh = self._mesh is not None
         try:
-            return self._optimize(graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves))
+            return self._optimize(
+                graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves)
+            )
         except UnsupportedError as exc:
             if adamw is None or self._fused_optimizer:  # asked for the fused kernel: no fallback
                 raise
@@ -88,7 +92,11 @@ class Builder:
         t0 = time.perf_counter()
         graph, results = pipeline.run(built.graph, options)
         if results:
-            log.info("fsg: stage 3: %s in %.1f s", ", ".join(f"{k} ({v})" for k, v in results.items()), time.perf_counter() - t0)
+            log.info(
+                "fsg: stage 3: %s in %.1f s",
+                ", ".join(f"{k} ({v})" for k, v in results.items()),
+                time.perf_counter() - t0,
+            )
         return built._replace(graph=graph, stages={**built.stages, "optimized": graph})
 
     def _local(self, state: Any, batch: Any, optimizer: GradientTransformation, mark_grads: bool) -> Built:
@@ -156,7 +164,9 @@ class Builder:
             where = purity.locate(self._loss_fn, state.params, batch, state.buffers, exc.op)
             if where is None:
                 raise
-            raise ShardingRuleError(re.sub(r" at graph node \S+,", f" at {where},", str(exc)), op=exc.op) from exc
+            raise ShardingRuleError(
+                re.sub(r" at (graph node \S+|\(source line unknown\)),", f" at {where},", str(exc)), op=exc.op
+            ) from exc
         n_local = len(local.graph.nodes)
         log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
         return Built(traced, local, None, plan, {"traced": traced.graph_module, "sharded": local})

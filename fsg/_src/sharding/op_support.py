@@ -38,6 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsg._src import _torch_private, tree
+from fsg._src.errors import ShardingRuleError
 
 _aten = torch.ops.aten
 
@@ -174,13 +175,18 @@ def covers_mesh(result: Any, ndim: int) -> bool:
     return all(len(leaf.placements) == ndim for leaf in tree.flatten(result)[0] if isinstance(leaf, DTensor))
 
 
-def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any) -> Any:
+def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any, like: Any = None) -> Any:
     """``target`` run by each rank on the whole of its inputs (every DTensor gathered), its
     tensor results replicated DTensors: the global op, on every rank, without DTensor's rule.
     ``None`` where that may not be the global op: an op that writes its inputs, draws random
     numbers (each rank would draw its own), or is not an ATen op (a custom op's rule that
-    refuses whole inputs is taken at its word)."""
-    if not _torch_private.is_pure_op(target) or target.namespace != "aten" or _torch_private.draws_random(target):
+    refuses whole inputs is taken at its word; ``prims`` ops, which torch 2.11's decompositions
+    of ``flip``, ``var``, ``prod``... produce, are torch's own). ``like``, the values the global trace saw
+    (the node's ``meta["val"]``), gives each result its strides: gathered inputs are
+    contiguous where the global ones were not, and a later ``view`` may rely on the layout."""
+    if not _torch_private.is_pure_op(target) or target.namespace not in ("aten", "prims"):
+        return None
+    if _torch_private.draws_random(target):
         return None
     replicate = [Replicate()] * device_mesh.ndim
 
@@ -188,10 +194,32 @@ def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any) -> 
         return _gather(x, device_mesh).to_local() if isinstance(x, DTensor) else x
 
     out = target(*tree.tree_map(whole, args), **tree.tree_map(whole, kwargs))
+    if like is not None and tree.flatten(like)[1] == tree.flatten(out)[1]:
+        out = tree.tree_map(_restride, out, like)
     return tree.tree_map(
         lambda t: DTensor.from_local(t, device_mesh, replicate, run_check=False) if isinstance(t, torch.Tensor) else t,
         out,
     )
+
+
+def _restride(t: Any, like: Any) -> Any:
+    """``t`` copied into ``like``'s strides where they differ and describe a dense layout."""
+    if not isinstance(t, torch.Tensor) or not isinstance(like, torch.Tensor) or t.shape != like.shape:
+        return t
+    if t.stride() == like.stride() or not _dense(like.shape, like.stride()):
+        return t
+    return torch.empty_strided(t.shape, like.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _dense(shape: tuple, stride: tuple) -> bool:
+    """Whether ``stride`` lays ``shape`` out without gaps or overlaps (a permuted contiguous
+    layout, size-1 dims ignored)."""
+    expected = 1
+    for size, step in sorted(((n, st) for n, st in zip(shape, stride) if n != 1), key=lambda x: x[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _placement_text(placement: Any) -> str:
@@ -213,3 +241,17 @@ def placements_text(args: Any) -> str:
             placements = ", ".join(_placement_text(p) for p in leaf.placements)
             seen.append(f"{tuple(leaf.shape)} [{placements}]")
     return "; ".join(seen) or "no DTensor inputs"
+
+
+def no_rule_error(target: Any, where: str, exc: Exception | None, args_kwargs: Any) -> ShardingRuleError:
+    """The error for an op no rank can run on these placements, naming it, the user's line and
+    the placements it met."""
+    why = "no verified sharding rule" if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return ShardingRuleError(
+        f"the sharded step needs op {target} at {where}, which has no sharding rule for "
+        f"its inputs' placements ({placements_text(args_kwargs)}; {why}), and cannot run "
+        f"replicated on gathered inputs either. Write that computation with other ops, change "
+        f"the spec of the parameters feeding it (replicate them over that axis), or shard the "
+        f"batch only (fsg.sharding.data_parallel()). docs/sharding.md lists the ops verified on a mesh.",
+        op=target,
+    )

@@ -10,7 +10,10 @@ from the specs) under ``make_fx``, so DTensor's own sharding propagation emits
    after backward (all-reduce for replicated params, reduce-scatter for sharded ones);
 3. data axes shard storage, not compute: at each parameter read (``fsg::param_use``) the
    parameter is gathered over the data axes (FSDP), while the optimizer reads the shard;
-4. an op DTensor has no rule for raises ``ShardingRuleError`` naming the op and source line.
+4. an op DTensor has no registered rule for (or whose rule refuses its placements) runs on
+   gathered inputs, with a ``ShardingFallbackWarning``; where no rank can run it alone (it
+   draws random numbers, writes its inputs, or is not an ATen op) it raises
+   ``ShardingRuleError`` naming the op and source line.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def _redistribute(x: Any, mesh: Mesh, placements: tuple[Placement, ...]) -> Any:
     if not isinstance(x, DTensor) or tuple(x.placements) == tuple(placements):
         return x
     return x.redistribute(mesh.device_mesh, placements)
+
+
+_NO_RULE = NotImplementedError(f"DTensor has no sharding rule for it in torch {torch.__version__}")
 
 
 def _has_rule(target: Any) -> bool:
@@ -151,15 +157,16 @@ class _Expander(fx.Interpreter):
         leaves, _ = tree.flatten((args, kwargs))
         if any(isinstance(a, DTensor) for a in leaves) and not _has_rule(target):
             # rule 4: never DTensor's run-time derivation from the op's decomposition, which
-            # sizes means and counts from the local shard (see op_support)
-            raise self._no_rule(target, None, (args, kwargs))
+            # sizes means and counts from the local shard (see op_support): the global op on
+            # gathered inputs, or a ShardingRuleError where no rank can run it alone
+            return self._fallback(target, args, kwargs, _NO_RULE, local=True)
         if any(isinstance(a, DTensor) for a in leaves) and any(_is_plain(a) for a in leaves):
             # Tensors made inside the step (masks, aranges) are the same on every rank.
             args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
             result = super().call_function(target, args, kwargs)
         except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
-            raise self._no_rule(target, exc, (args, kwargs)) from exc
+            return self._fallback(target, args, kwargs, exc, local=True)
         except (RuntimeError, IndexError, KeyError) as exc:
             return self._fallback(target, args, kwargs, exc)
         if not op_support.covers_mesh(result, mesh.device_mesh.ndim):  # a rule for 1-D meshes only
@@ -180,16 +187,18 @@ class _Expander(fx.Interpreter):
                 result = super().call_function(target, *replicated)
         if result is None or not op_support.covers_mesh(result, device_mesh.ndim):
             try:
-                result = op_support.run_replicated(target, *(replicated or (args, kwargs)), device_mesh)
+                like = self._node.meta.get("val") if self._node is not None else None
+                result = op_support.run_replicated(target, *(replicated or (args, kwargs)), device_mesh, like)
             except Exception:  # noqa: BLE001 - reported as the ShardingRuleError below
                 result = None
         if result is None:  # not even on whole inputs, or an op no rank can run alone (random)
             raise self._no_rule(target, exc, (args, kwargs)) from exc
         where = purity.user_frame_of_node(self._node) if self._node is not None else "(unknown)"
+        fix = "write it with other ops" if exc is _NO_RULE else "change the specs feeding it"
         warnings.warn(
             f"fsg: op {target} at {where} could not run on its inputs' placements "
-            f"({str(exc).splitlines()[0][:160]}); its inputs were gathered and it ran replicated. "
-            f"Change the specs feeding it to avoid the extra collectives.",
+            f"({str(exc).splitlines()[0][:160]}); its inputs were gathered and it ran replicated "
+            f"on every rank. To avoid the extra collectives and compute, {fix}.",
             ShardingFallbackWarning,
             stacklevel=3,
         )
@@ -204,15 +213,7 @@ class _Expander(fx.Interpreter):
 
     def _no_rule(self, target, exc: Exception | None, args_kwargs: Any) -> ShardingRuleError:
         where = purity.user_frame_of_node(self._node) if self._node is not None else "(source line unknown)"
-        why = "no verified sharding rule" if exc is None else f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        return ShardingRuleError(
-            f"the sharded step needs op {target} at {where}, which has no sharding rule for "
-            f"its inputs' placements ({op_support.placements_text(args_kwargs)}; {why}). "
-            f"Write that computation with other ops, change the spec of the parameters feeding "
-            f"it (replicate them over that axis), or shard the batch only "
-            f"(fsg.sharding.data_parallel()). docs/sharding.md lists the ops verified on a mesh.",
-            op=target,
-        )
+        return op_support.no_rule_error(target, where, exc, args_kwargs)
 
 
 def expand(
