@@ -1,8 +1,8 @@
 """Train a ResNet-18 (BatchNorm and all) with fsg on generated images: no download.
 
-    python examples/resnet.py                                    # CPU, a few minutes
-    python examples/resnet.py --device cuda --steps 500 --batch-size 256
-    python examples/resnet.py --width 16 --image-size 16 --steps 60   # small and quick
+    python examples/resnet.py --width 16 --steps 150     # CPU: 99% held-out accuracy, ~3.5 min
+    python examples/resnet.py --device cuda                 # the full ResNet-18 (width 64)
+    python examples/resnet.py --width 4 --image-size 16 --steps 30 --backend eager   # seconds
     torchrun --nproc-per-node=2 examples/resnet.py --mesh dp=2 --device cpu   # gloo ranks
 
 The model is torchvision's `resnet18(num_classes=10)` when torchvision imports, else the same
