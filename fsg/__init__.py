@@ -5,6 +5,7 @@ from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
 from fsg import sharding as sharding
+from fsg._src.errors import ArgumentError as ArgumentError
 from fsg._src.errors import BatchError as BatchError
 from fsg._src.errors import CheckpointError as CheckpointError
 from fsg._src.errors import CudaGraphWarning as CudaGraphWarning
@@ -38,6 +39,7 @@ from fsg._src.train_state import TrainState as TrainState
 from fsg._src.version import __version__ as __version__
 
 __all__ = [
+    "ArgumentError",
     "BatchError",
     "CheckpointError",
     "checkpoint",

@@ -12,7 +12,7 @@ import torch
 
 import fsg
 import fsg.testing
-from fsg._src.errors import ArgumentError
+from fsg import ArgumentError
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 
 MODEL = mlp()
