@@ -86,3 +86,8 @@ class ArgumentError(FsgError, ValueError, TypeError):
     a schedule where a float is due) or out of its range (a negative learning rate,
     ``accum_steps=0``, ``max_to_keep=0``). A ``ValueError`` and a ``TypeError`` both, so code
     that caught either before still does."""
+
+
+class DataError(FsgError, ValueError):
+    """Input data that ``fsg.data`` cannot serve: a truncated or odd-sized token file, a wrong
+    header, a token id at or beyond the vocabulary, a sequence longer than the data, a batch
