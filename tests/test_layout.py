@@ -12,13 +12,14 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "fsg" / "_src"
 
 # Each entry is one layer; a layer's packages may import from earlier layers only (and from
-# themselves). kernels, optim and checkpoint are libraries: none imports another or any stage.
+# themselves). kernels, optim, checkpoint and data are libraries: none imports another or any stage.
 LAYERS = [
     {"_torch_private", "errors", "checks", "tree", "version", "graph_facts", "decompositions"},
     {"mesh", "rules", "train_state", "precision", "functional", "distributed"},
     {"kernels"},
     {"optim"},
     {"checkpoint"},
+    {"data"},
     {"trace"},  # stage 1
     {"sharding"},  # stage 2
     {"passes"},  # stage 3
@@ -27,7 +28,7 @@ LAYERS = [
     {"testing"},
 ]
 # What each library layer may use besides the foundation (layers 0-1).
-LIBRARY_DEPENDENCIES = {"kernels": set(), "optim": set(), "checkpoint": set()}
+LIBRARY_DEPENDENCIES = {"kernels": set(), "optim": set(), "checkpoint": set(), "data": set()}
 MAX_LINES = 300
 PRIVATE_ATTRIBUTES = {"_schema", "_opname", "_base", "_overloadpacket"}
 
