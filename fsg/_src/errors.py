@@ -91,3 +91,15 @@ class ArgumentError(FsgError, ValueError, TypeError):
 class DataError(FsgError, ValueError):
     """Input data that ``fsg.data`` cannot serve: a truncated or odd-sized token file, a wrong
     header, a token id at or beyond the vocabulary, a sequence longer than the data, a batch
+    that does not divide over the data-parallel ranks. The message names the file and value."""
+
+
+class TopologyError(FsgError, ValueError):
+    """A cluster description that fsg cannot use (an unknown level, a missing or bad field), a
+    mesh larger than the described cluster, or a mesh axis that cannot be placed on its links."""
+
+
+class NonFiniteError(FsgError, FloatingPointError):
+    """Too many steps in a row had a non-finite loss or gradient and were skipped
+    (``compile_step(skip_nonfinite=fsg.SkipNonFinite(max_consecutive=...))``): training is
+    not recovering by itself. The message names the steps."""

@@ -62,6 +62,9 @@ class Mesh:
     Args:
       axes: ``{name: size}``, outermost axis first.
       device_type: ``"cuda"`` or ``"cpu"``; default: CUDA when available.
+      ranks: the rank at each mesh coordinate, an int tensor of shape ``axes.values()`` holding
+        every rank once; default row-major (``arange(world).view(sizes)``).
+        ``Mesh.from_topology`` computes one from the cluster's topology.
 
     Example:
       >>> mesh = fsg.Mesh({"dp": 1})
@@ -69,7 +72,7 @@ class Mesh:
       (1, ('dp',))
     """
 
-    def __init__(self, axes: dict[str, int], *, device_type: str | None = None):
+    def __init__(self, axes: dict[str, int], *, device_type: str | None = None, ranks: torch.Tensor | None = None):
         _check_axes(axes)
         if device_type is not None:
             _check_device_type(device_type)
@@ -86,8 +89,41 @@ class Mesh:
             )
             raise MeshError(f"Mesh({axes}) has {self.size} devices but the world size is {world}; {hint}.")
         self._device_mesh: DeviceMesh | None = None
-        if self.size > 1:
+        if ranks is not None:
+            ranks = torch.as_tensor(ranks, dtype=torch.int64)
+            if tuple(ranks.shape) != self.shape or not torch.equal(ranks.flatten().sort().values, torch.arange(self.size)):
+                raise MeshError(
+                    f"Mesh(ranks=...) is a tensor of shape {tuple(ranks.shape)}; it must have the mesh's shape "
+                    f"{self.shape} and hold each rank 0..{self.size - 1} once"
+                )
+        if self.size > 1 and ranks is not None:
+            self._device_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=self.axis_names)
+        elif self.size > 1:
             self._device_mesh = init_device_mesh(self.device_type, self.shape, mesh_dim_names=self.axis_names)
+
+    @classmethod
+    def from_topology(cls, axes: dict[str, int], topology, *, traffic: dict[str, float] | None = None,
+                      within: dict[str, str] | None = None, device_type: str | None = None) -> Mesh:  # fmt: skip
+        """A mesh whose axes sit on the cluster's links by traffic: the busiest axis (default
+        ``tp``, then ``fsdp``/``cp``, then ``dp``) in the smallest domains (NVLink, node), the
+        least busy across racks. The axes keep their names and order; only which rank sits at
+        each coordinate changes (``fsg/_src/topology/placement.py``).
+
+        Args:
+          axes: ``{name: size}``, as for ``Mesh``.
+          topology: an ``fsg.Topology`` (``Topology.from_job()`` in a running job).
+          traffic: ``{axis: bytes per step}`` to order the axes by; default by name.
+          within: ``{axis: level}`` each of whose groups must fit one domain of that level.
+
+        Example:
+          >>> topo = fsg.Topology.from_hostnames(["a"])
+          >>> fsg.Mesh.from_topology({"dp": 1}, topo)
+          Mesh({'dp': 1})
+        """
+        from fsg._src.topology.placement import place  # the topology package builds on this module
+
+        placement = place(axes, topology, traffic=traffic, within=within)
+        return cls(axes, device_type=device_type, ranks=torch.from_numpy(placement.ranks))
 
     def __repr__(self) -> str:
         return f"Mesh({dict(zip(self.axis_names, self.shape))})"
