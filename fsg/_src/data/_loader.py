@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from fsg._src import checks
 from fsg._src.data import _order
@@ -160,10 +160,16 @@ class Loader:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The loader's position: ``{"seed", "epoch", "position", "num_windows"}``, 0-d int64
-        tensors, the same on every rank. Save it beside the train state; ``restore`` it onto a
-        loader over the same data with any number of ranks (and any batch size)."""
+        tensors, the same on every rank (on a mesh of several devices, replicated DTensors, as
+        the train state's leaves are, so that a checkpoint writes them once). Save it beside the
+        train state; ``restore`` it onto a loader over the same data with any number of ranks
+        (and any batch size)."""
         values = (self.seed, self._cursor.epoch, self._cursor.position, self.num_windows)
-        return {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(STATE_KEYS, values)}
+        state = {k: torch.tensor(v, dtype=torch.int64) for k, v in zip(STATE_KEYS, values)}
+        if self._rank.placements is None:
+            return state
+        replicated = [Replicate()] * self.mesh.device_mesh.ndim
+        return {k: DTensor.from_local(v, self.mesh.device_mesh, replicated, run_check=False) for k, v in state.items()}
 
     def restore(self, state: dict[str, Any]) -> Loader:
         """Continues from a ``state_dict()``: the next batch is the one that followed it.
@@ -175,7 +181,7 @@ class Loader:
         if not isinstance(state, dict) or set(state) != set(STATE_KEYS):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise DataError(f"Loader.restore: a loader state has the keys {list(STATE_KEYS)}; got {got}")
-        seed, epoch, position, num = (int(state[k]) for k in STATE_KEYS)
+        seed, epoch, position, num = (int(_local(state[k])) for k in STATE_KEYS)
         if num != self.num_windows:
             raise DataError(
                 f"{self.source.name}: the saved loader state is over {num} windows but this loader has "
@@ -211,6 +217,10 @@ class Loader:
             f"Loader({self.source!r}, batch_size={self.batch_size}, seq_len={self.seq_len}, seed={self.seed}, "
             f"rank={self.rank}/{self.num_ranks}, epoch={self.epoch}, position={self.position})"
         )
+
+
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value  # replicated: every rank holds it
 
 
 def _default_device(mesh: Mesh | None) -> torch.device:
