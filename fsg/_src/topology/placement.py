@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fsg._src.errors import TopologyError
-from fsg._src.topology import traffic
+from fsg._src.topology import traffic as links
 from fsg._src.topology.description import Topology
 from fsg._src.topology.levels import check_level_name
 
@@ -136,9 +136,9 @@ def row_major(axes: dict) -> np.ndarray:
 def cross_rack(topology: Topology, ranks: np.ndarray, axes: dict, weights: Mapping[str, float]) -> float:
     """Weighted bytes over links that join racks (all-reduce traffic ``weights[axis]`` per axis)."""
     out = 0.0
-    cut = traffic.above(topology, "rack")
+    cut = links.above(topology, "rack")
     for i, name in enumerate(axes):
-        out += weights[name] * traffic.level_fractions(topology, ranks, i, "all_reduce")[cut].sum()
+        out += weights[name] * links.level_fractions(topology, ranks, i, "all_reduce")[cut].sum()
     return out
 
 
@@ -171,7 +171,7 @@ def place(axes: Mapping[str, int], topology: Topology, *, traffic: Mapping[str, 
         limit = topology.level_index(level)
         if limit is None:
             raise TopologyError(f"within[{name!r}] is {level!r}, a level this topology lacks: {topology!r}")
-        span = traffic.span_level(topology, ranks, list(axes).index(name))
+        span = links.span_level(topology, ranks, list(axes).index(name))
         if span > limit:
             sizes = np.bincount(topology.ids[:, limit])
             raise TopologyError(
