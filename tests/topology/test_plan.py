@@ -1,0 +1,78 @@
+"""The cost model, plan() and the CLI."""
+
+import json
+
+import pytest
+
+from fsg._src.errors import TopologyError
+from fsg._src.topology import cli
+from fsg._src.topology.cost import CostModel, bus_factor, fit
+from fsg._src.topology.description import Topology
+from fsg._src.topology.levels import Link
+from fsg._src.topology.plan import factorizations, plan
+from fsg._src.topology.workload import PRESETS
+
+
+def test_the_model_is_floor_plus_bytes_over_bus_bandwidth():
+    model = CostModel()
+    link = Link(335.0, 1.5)
+    small, big = model.time("all_gather_into_tensor", 2, 4096, link), model.time("all_gather", 2, 1 << 30, link)
+    assert 33e-6 < small < 40e-6  # the issue's floor
+    assert big == pytest.approx(33e-6 + 1.5e-6 + 0.5 * (1 << 30) / 335e9)
+    assert model.time("all_reduce", 1, 1 << 30, link) == 0.0
+    slow = model.time("all_gather", 2, 1 << 30, Link(45.0, 6.0))
+    assert slow > 7 * big  # the network link caps the bandwidth
+
+
+def test_a_calibration_round_trips_through_fit_and_load(tmp_path):
+    samples = [
+        {"kind": "all_reduce", "bytes": s, "time_us": 20.0 + bus_factor("all_reduce", 2) * s / 300e9 * 1e6}
+        for s in (4096, 1 << 20, 64 << 20, 1 << 30)
+    ]
+    table = fit(samples, 2)
+    assert table["all_reduce"]["busbw_GBps"] == pytest.approx(300, rel=0.01)
+    (tmp_path / "cal.json").write_text(json.dumps({"fit": table}))
+    model = CostModel.load(tmp_path / "cal.json")
+    t = model.time("all_reduce", 2, 1 << 30, Link(335.0, 0.0))
+    assert t == pytest.approx(samples[-1]["time_us"] * 1e-6, rel=0.01)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(TopologyError, match="has no 'fit' table"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_plan_puts_tensor_parallel_on_nvlink_and_ranks_meshes():
+    topo = Topology.regular(nodes=8, gpus_per_node=8, nodes_per_rack=4)
+    result = plan(PRESETS["gpt-1b"], None, topo)
+    best = result.best
+    assert {c.axis: c.level for c in best.per_axis if c.size > 1}.get("tp", "node") == "node"
+    assert [c.step_s for c in result.ranked] == sorted(c.step_s for c in result.ranked)
+    assert "cross-rack" in result.as_text() and "model predictions" in result.as_text()
+    assert best.describe() in result.reason
+    assert all(c.cross_rack_bytes <= c.level_bytes["cluster"] + 1e-6 for c in result.ranked)
+
+
+def test_plan_of_lowered_collective_rows_and_its_errors():
+    topo = Topology.from_hostnames(["a", "b", "a", "b"])
+    rows = [("all_reduce", "tp", 1 << 20, 4), ("all_gather_into_tensor", "dp", 1 << 18, 2)]
+    result = plan(rows, {"dp": 2, "tp": 2}, topo)
+    assert result.best.strategy == "packed"
+    assert {c.axis: c.level for c in result.best.per_axis} == {"dp": "cluster", "tp": "node"}
+    with pytest.raises(TopologyError, match="axis 'ep', which mesh"):
+        plan([("all_reduce", "ep", 1, 1)], {"dp": 2, "tp": 2}, topo)
+    with pytest.raises(TopologyError, match="needs a GPTConfig"):
+        plan(rows, None, topo)
+
+
+def test_factorizations_cover_the_world():
+    assert all(c["dp"] * c["fsdp"] * c["tp"] == 12 for c in factorizations(12))
+    assert len(factorizations(12)) == 18
+
+
+def test_cli_prints_a_plan_and_refuses_bad_input(capsys, tmp_path):
+    assert cli.main(["plan", "--nodes", "4", "--nodes-per-rack", "2", "--model", "gpt-1b", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "best:" in out and "ranking (top 3" in out
+    (tmp_path / "t.yaml").write_text("nodes: 2\nlinks: {leaf: {bandwidth_GBps: 1, latency_us: 1}}\n")
+    assert cli.main(["plan", "--topology", str(tmp_path / "t.yaml")]) == 2
+    assert "'leaf', which is not a topology level" in capsys.readouterr().err
+    assert cli.main(["plan", "--nodes", "2", "--model", "gpt-9t"]) == 2
