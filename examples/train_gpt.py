@@ -5,7 +5,10 @@
     torchrun --nproc-per-node=4 examples/train_gpt.py --mesh dp=2,tp=2   # sharded, 4 processes
 
 The whole train step (forward, backward, AdamW with warm-up and cosine decay, gradient
-clipping) is one compiled graph. The script prints a progress bar, samples text from the model
+clipping) is one compiled graph. Batches come from ``fsg.data.Loader``: a deterministic
+sequence of ``[B, T + 1]`` token blocks (the input/target shift is in the loss, so it is
+traced into the step), assembled ahead by a background thread; under ``--mesh`` each rank
+reads only its own rows. The script prints a progress bar, samples text from the model
 every ``--sample-every`` steps, and writes the loss curve to ``OUT/loss.png``.
 """
 
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig  # noqa: E402
 
 import fsg  # noqa: E402
+import fsg.data  # noqa: E402
 
 # Stdlib modules whose source is the default corpus: present wherever Python is.
 CORPUS_MODULES = [
@@ -50,7 +54,7 @@ def load_text(path: str | None) -> str:
 
 
 class CharData:
-    """Characters to ids, a train/validation split, and random batches of windows."""
+    """Characters to ids, a train/validation split, and random validation batches."""
 
     def __init__(self, text: str, block_size: int, device: torch.device, seed: int):
         self.chars = sorted(set(text))
@@ -63,6 +67,12 @@ class CharData:
         counts = torch.tensor(list(Counter(text[:split]).values()), dtype=torch.float64)
         probs = counts / counts.sum()
         self.unigram_entropy = float(-(probs * probs.log()).sum())
+
+    def loader(self, batch_size: int, *, seed: int, mesh=None) -> fsg.data.Loader:
+        """The training batches: ``[B, T + 1]`` windows of the train split, each rank its rows."""
+        train = fsg.data.Tokens(self.train, name="the train split")
+        return fsg.data.Loader(train, batch_size=batch_size, seq_len=self.block_size, seed=seed, mesh=mesh,
+                               vocab_size=len(self.chars), device=self.device)  # fmt: skip
 
     def batch(self, batch_size: int, split: str = "train") -> dict[str, torch.Tensor]:
         ids = self.train if split == "train" else self.val
@@ -180,9 +190,9 @@ def main(argv=None) -> dict[str, float]:
     log(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}"
         + (f"; {mesh!r}" if mesh else ""))  # fmt: skip
 
-    def loss_fn(params, batch):
-        logits_BTV = fsg.apply(model, params, batch["x"])
-        return fsg.nn.cross_entropy(logits_BTV, batch["y"])
+    def loss_fn(params, tokens_BT):  # tokens_BT: [B, T + 1] from the loader; the shift is traced
+        logits_BTV = fsg.apply(model, params, tokens_BT[:, :-1])
+        return fsg.nn.cross_entropy(logits_BTV, tokens_BT[:, 1:])
 
     decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - no decay of biases/norms
     optimizer = fsg.optim.chain(
@@ -195,14 +205,16 @@ def main(argv=None) -> dict[str, float]:
     sharding = sharding_for(mesh_axes := parse_mesh(args.mesh)) if mesh else None
     step = fsg.compile_step(loss_fn, mesh, optimizer=optimizer, param_sharding=sharding, backend=args.backend)
     state = step.init(params, seed=args.seed)
+    loader = data.loader(args.batch_size, seed=args.seed, mesh=mesh)
     del params  # the state holds its own copy, updated in place
 
     log(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
     t0 = time.perf_counter()
-    state, metrics = step(state, data.batch(args.batch_size))
+    first = next(loader)
+    state, metrics = step(state, first)
     log(f"compiled and ran step 1 in {time.perf_counter() - t0:.1f}s")
     if mesh:
-        rows = step.lower(state, data.batch(args.batch_size)).collectives()
+        rows = step.lower(state, first).collectives()
         log(
             f"sharding {mesh_axes}: collectives per step: "
             + ", ".join(f"{r.count} {r.kind} over {r.axis}" for r in rows)
@@ -221,7 +233,7 @@ def main(argv=None) -> dict[str, float]:
     )
     t_train = time.perf_counter()
     for i in bar:
-        state, metrics = step(state, data.batch(args.batch_size))
+        state, metrics = step(state, next(loader))
         if i % 10 == 0 or i == args.steps:
             loss = float(metrics["loss"])  # a host sync every 10 steps only
             history.append((i, loss))
@@ -237,6 +249,7 @@ def main(argv=None) -> dict[str, float]:
             tqdm.write(f"\n--- sample at step {i} (val loss {val_history[-1][1]:.3f}) ---\n{text}\n")
     elapsed = time.perf_counter() - t_train
     bar.close()
+    loader.close()
 
     out = Path(args.out)
     if is_main:
