@@ -110,10 +110,20 @@ def main() -> None:
         s["predicted_us"] = model.time(s["kind"], n, s["bytes"], link) * 1e6
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        out = {"world_size": n, "backend": backend, "device": name, "dtype": str(dtype), "fit": table, "samples": samples}
+        out = {
+            "world_size": n,
+            "backend": backend,
+            "device": name,
+            "dtype": str(dtype),
+            "fit": table,
+            "samples": samples,
+        }
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"wrote {args.out}: " + ", ".join(f"{k} {v['floor_us']:.1f} us {v['busbw_GBps']:.1f} GB/s" for k, v in table.items()))
+        print(
+            f"wrote {args.out}: "
+            + ", ".join(f"{k} {v['floor_us']:.1f} us {v['busbw_GBps']:.1f} GB/s" for k, v in table.items())
+        )
     dist.destroy_process_group()
 
 

@@ -91,7 +91,8 @@ class Mesh:
         self._device_mesh: DeviceMesh | None = None
         if ranks is not None:
             ranks = torch.as_tensor(ranks, dtype=torch.int64)
-            if tuple(ranks.shape) != self.shape or not torch.equal(ranks.flatten().sort().values, torch.arange(self.size)):
+            every_rank_once = torch.equal(ranks.flatten().sort().values, torch.arange(ranks.numel()))
+            if tuple(ranks.shape) != self.shape or not every_rank_once:
                 raise MeshError(
                     f"Mesh(ranks=...) is a tensor of shape {tuple(ranks.shape)}; it must have the mesh's shape "
                     f"{self.shape} and hold each rank 0..{self.size - 1} once"
@@ -116,7 +117,8 @@ class Mesh:
           within: ``{axis: level}`` each of whose groups must fit one domain of that level.
 
         Example:
-          >>> topo = fsg.Topology.from_hostnames(["a"])
+          >>> from fsg.topology import Topology
+          >>> topo = Topology.from_hostnames(["a"])
           >>> fsg.Mesh.from_topology({"dp": 1}, topo)
           Mesh({'dp': 1})
         """

@@ -26,7 +26,9 @@ def test_a_regular_cluster_with_a_partial_last_rack():
 
 
 def test_yaml_json_and_slurm_files(tmp_path):
-    (tmp_path / "c.yaml").write_text("nodes: 4\ngpus_per_node: 2\nnodes_per_rack: 2\nlinks:\n  rack: {bandwidth_GBps: 40, latency_us: 5}\n")
+    (tmp_path / "c.yaml").write_text(
+        "nodes: 4\ngpus_per_node: 2\nnodes_per_rack: 2\nlinks:\n  rack: {bandwidth_GBps: 40, latency_us: 5}\n"
+    )
     t = Topology.load(tmp_path / "c.yaml")
     assert repr(t) == "Topology(8 GPUs: node 4 x 2, rack 2 x 4, cluster 1 x 8)"
     assert t.levels[1].link == fsg.topology.Link(40.0, 5.0)

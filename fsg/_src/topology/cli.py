@@ -1,7 +1,7 @@
 """``python -m fsg.topology plan``: the communication plan of a GPT-class model on a described cluster.
 
-    python -m fsg.topology plan --topology cluster.yaml --model gpt-175b
-    python -m fsg.topology plan --nodes 1250 --nodes-per-rack 32 --model gpt-70b --mesh dp=50,fsdp=25,tp=8
+python -m fsg.topology plan --topology cluster.yaml --model gpt-175b
+python -m fsg.topology plan --nodes 1250 --nodes-per-rack 32 --model gpt-70b --mesh dp=50,fsdp=25,tp=8
 """
 
 from __future__ import annotations

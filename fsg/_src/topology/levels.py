@@ -80,9 +80,7 @@ def link_from(value: object, where: str) -> Link:
     if isinstance(value, dict):
         unknown = set(value) - set(Link._fields)
         if unknown:
-            raise TopologyError(
-                f"{where} has unknown field(s) {sorted(unknown)}; a link has {list(Link._fields)}"
-            )
+            raise TopologyError(f"{where} has unknown field(s) {sorted(unknown)}; a link has {list(Link._fields)}")
         missing = set(Link._fields) - set(value)
         if missing:
             raise TopologyError(f"{where} lacks {sorted(missing)}; a link has {list(Link._fields)}")

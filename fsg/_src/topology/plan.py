@@ -95,7 +95,9 @@ def _rows(source, axes: dict) -> list[tuple[str, str, float, int]]:
         return source.collectives(axes)
     rows = source.collectives() if callable(getattr(source, "collectives", None)) else source
     if not isinstance(rows, Sequence):
-        raise TopologyError(f"plan(source) is {type(source).__name__}; give a Lowered, its collectives() or a GPTConfig")
+        raise TopologyError(
+            f"plan(source) is {type(source).__name__}; give a Lowered, its collectives() or a GPTConfig"
+        )
     for row in rows:
         if len(row) != 4:
             raise TopologyError(f"collective row {row!r} is not (kind, axis, bytes, count)")
