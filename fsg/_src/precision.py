@@ -9,10 +9,41 @@ import torch
 from fsg._src import checks, tree
 
 
+class DynamicLossScale(NamedTuple):
+    """Dynamic loss scaling for float16 compute (as ``torch.amp.GradScaler``), inside the graph.
+
+    The loss is multiplied by the scale before the backward and the gradients divided by it
+    after, so small float16 gradients do not flush to zero. A step whose loss or gradients
+    are not finite is skipped and halves the scale (``backoff``, down to ``min_scale``);
+    ``growth_interval`` finite steps in a row double it (``growth``). The scale lives in
+    ``TrainState.loss_scale`` and is checkpointed with the state.
+
+    Attributes:
+      initial: the first scale. 2**15, not GradScaler's 2**16: 65536 is not a float16, so a
+        loss computed in float16 would overflow at every first step.
+      growth_interval: finite steps in a row after which the scale grows.
+      growth: the factor it grows by.
+      backoff: the factor it shrinks by at a non-finite step.
+      min_scale: the floor the scale never goes below.
+
+    Example:
+      >>> policy = fsg.Policy(compute=torch.float16, loss_scale=fsg.DynamicLossScale(growth_interval=500))
+      >>> policy.loss_scale.initial
+      32768.0
+    """
+
+    initial: float = 2.0**15
+    growth_interval: int = 2000
+    growth: float = 2.0
+    backoff: float = 0.5
+    min_scale: float = 1.0
+
+
 class _PolicyFields(NamedTuple):
     param: torch.dtype
     compute: torch.dtype
     reduce: torch.dtype | None
+    loss_scale: DynamicLossScale | None
 
 
 class Policy(_PolicyFields):
@@ -31,6 +62,8 @@ class Policy(_PolicyFields):
         ``MixedPrecisionPolicy(reduce_dtype=...)`` or DDP's ``bf16_compress_hook``); each
         rank's sum is then rounded to bf16 once before the reduction and the result cast back,
         so the update differs from the float32 reduction by about bf16's precision (3 digits).
+      loss_scale: a ``DynamicLossScale``, or ``None``. Left out, float16 compute gets
+        ``DynamicLossScale()`` and other dtypes none; ``False`` turns it off for float16.
 
     Example:
       >>> policy = fsg.Policy(param=torch.float32, compute=torch.bfloat16)
@@ -41,9 +74,17 @@ class Policy(_PolicyFields):
     __slots__ = ()
 
     def __new__(
-        cls, param: torch.dtype = torch.float32, compute: torch.dtype = torch.float32, reduce: torch.dtype | None = None
+        cls,
+        param: torch.dtype = torch.float32,
+        compute: torch.dtype = torch.float32,
+        reduce: torch.dtype | None = None,
+        loss_scale: DynamicLossScale | bool | None = None,
     ) -> Policy:
-        policy = super().__new__(cls, param, compute, reduce)
+        if loss_scale is None or loss_scale is True:
+            loss_scale = DynamicLossScale() if compute == torch.float16 or loss_scale else None
+        elif loss_scale is False:
+            loss_scale = None
+        policy = super().__new__(cls, param, compute, reduce, loss_scale)
         check_policy(policy)
         return policy
 
@@ -67,4 +108,13 @@ def check_policy(policy: Any) -> Policy:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise checks.fail(f"fsg.Policy({name}=...)", "must be a floating-point torch.dtype", dtype,
                               "E.g. torch.float32 or torch.bfloat16 (integer leaves keep their dtype anyway)")  # fmt: skip
+    scale = policy.loss_scale
+    if scale is not None:
+        checks.instance("fsg.Policy(loss_scale=...)", scale, DynamicLossScale, what="an fsg.DynamicLossScale, a bool or None",
+                        fix="E.g. loss_scale=fsg.DynamicLossScale(initial=2.0**15)")  # fmt: skip
+        checks.real("DynamicLossScale(min_scale=...)", scale.min_scale, low=0.0, low_open=True, fix="E.g. 1.0")
+        checks.real("DynamicLossScale(initial=...)", scale.initial, low=scale.min_scale, fix="Start at or above min_scale")
+        checks.integer("DynamicLossScale(growth_interval=...)", scale.growth_interval, low=1, fix="E.g. 2000")
+        checks.real("DynamicLossScale(growth=...)", scale.growth, low=1.0, fix="E.g. 2.0")
+        checks.real("DynamicLossScale(backoff=...)", scale.backoff, low=0.0, high=1.0, low_open=True, fix="E.g. 0.5")
     return policy

@@ -12,7 +12,9 @@ The math is the traced ``fsg.optim.adamw`` update, op for op, in float32:
 ``u = (m'/(1-b1^t)) / (sqrt(v'/(1-b2^t)) + eps) + wd p``, ``p' = p + (-lr) u``, where ``t`` is
 the update count after this step and ``lr`` a 0-d tensor: both stay on the device (the two
 bias corrections are two tiny torch ops before the launch), so a schedule never forces a
-recompile or a host sync.
+recompile or a host sync. An optional 0-d bool ``finite`` skips the whole update where it is
+False (a step with a non-finite loss or gradient, docs/resilience.md): it travels as the third
+entry of the bias-correction tensor and masks every load and store off.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ NUM_WARPS = 4
 def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, wd, bias_ptr, lr_ptr, b1, b2, omb1, omb2, eps):
     bias1 = tl.load(bias_ptr)
     bias2 = tl.load(bias_ptr + 1)
+    # 0: a skipped (non-finite) step writes nothing (broadcast to a vector: the interpreter
+    # refuses a vector mask & a scalar)
+    mask = mask & ((tl.zeros_like(offs).to(tl.float32) + tl.load(bias_ptr + 2)) != 0.0)
     neg_lr = -tl.load(lr_ptr).to(tl.float32)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -132,31 +137,33 @@ def _key(params, mus, nus, wds, block) -> tuple:
     return (block, tuple(wds), *((t.data_ptr(), t.numel()) for t in (*params, *mus, *nus)))
 
 
-def bias_corrections(count: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
-    """``[1 - b1^t, 1 - b2^t]`` (float32, on the device) for the count ``t``, computed as the
-    traced update computes them (``1 - b2^t`` cancels badly for small t: an approximate
-    in-kernel ``exp`` was off by 1e-4 relative at t=1)."""
+def bias_corrections(count: torch.Tensor, b1: float, b2: float, finite: torch.Tensor | None = None) -> torch.Tensor:
+    """``[1 - b1^t, 1 - b2^t, update?]`` (float32, on the device) for the count ``t``, computed
+    as the traced update computes them (``1 - b2^t`` cancels badly for small t: an approximate
+    in-kernel ``exp`` was off by 1e-4 relative at t=1); ``update?`` is 1, or ``finite``."""
     t = count.to(torch.float32)
-    return torch.stack([1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t)])
+    ok = torch.ones_like(t) if finite is None else finite.to(torch.float32)
+    return torch.stack([1.0 - torch.pow(b1, t), 1.0 - torch.pow(b2, t), ok])
 
 
-def launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK) -> None:
+def launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK, finite=None) -> None:
     """The same update as ``launch``, one launch per tensor (no device tables: capturable)."""
-    consts = (bias_corrections(count, b1, b2), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
+    consts = (bias_corrections(count, b1, b2, finite), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     for p, g, m, v, wd in zip(params, grads, mus, nus, wds):
         _adamw_tensor_kernel[(triton.cdiv(p.numel(), block),)](p, g, m, v, p.numel(), wd, *consts, BLOCK=block)
 
 
 def launch(
-    params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK, num_warps: int = NUM_WARPS
+    params, grads, mus, nus, count, lr, b1, b2, eps, wds, block: int = BLOCK, num_warps: int = NUM_WARPS, finite=None
 ) -> None:
-    """Updates ``params``, ``mus``, ``nus`` in place (all contiguous, one dtype per role)."""
+    """Updates ``params``, ``mus``, ``nus`` in place (all contiguous, one dtype per role);
+    nothing where the 0-d bool ``finite`` is False."""
     if not params:
         return
     if graph_safe_launch(params[0]):
-        launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block)
+        launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block, finite)
         return
-    consts = (bias_corrections(count, b1, b2), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
+    consts = (bias_corrections(count, b1, b2, finite), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     key = _key(params, mus, nus, wds, block)
     tables = _TABLES.get(key)
     if tables is None:
@@ -185,18 +192,21 @@ def launch(
 # --- eager reference: the traced fsg.optim.adamw math, op for op ---------------------------
 
 
-def adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, wds) -> None:
+def adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, wds, finite=None) -> None:
     t = count.to(torch.float32)
     bias1 = 1.0 - torch.pow(b1, t)
     bias2 = 1.0 - torch.pow(b2, t)
     neg_lr = -1.0 * lr.to(torch.float32)
+    keep = (lambda new, old: new) if finite is None else (lambda new, old: torch.where(finite, new, old))
     for p, g, m, v, wd in zip(params, grads, mus, nus, wds):
-        m.copy_(b1 * m + (1.0 - b1) * g)
-        v.copy_(b2 * v + (1.0 - b2) * g * g)
-        u = (m / bias1) / (torch.sqrt(v / bias2) + eps)
+        m_new = (b1 * m + (1.0 - b1) * g).to(m.dtype)  # rounded as copy_ into the state rounds it
+        v_new = (b2 * v + (1.0 - b2) * g * g).to(v.dtype)
+        u = (m_new / bias1) / (torch.sqrt(v_new / bias2) + eps)
         if wd:
             u = u + wd * p
-        p.copy_(p + (neg_lr * u).to(p.dtype))
+        p.copy_(keep(p + (neg_lr * u).to(p.dtype), p))
+        m.copy_(keep(m_new, m))
+        v.copy_(keep(v_new, v))
 
 
 # --- the registered op: one node in the step graph (the stage-3 pass inserts it) -----------
@@ -222,18 +232,20 @@ def fused_adamw_(
     b2: float,
     eps: float,
     weight_decays: list[float],
+    finite: torch.Tensor | None = None,
 ) -> None:
-    """One AdamW step on many tensors, in place (see the module docstring for the math)."""
+    """One AdamW step on many tensors, in place (see the module docstring for the math);
+    none where ``finite`` (a 0-d bool) is False."""
     if not params:
         return
     if not use_triton(params[0]):
-        adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays)
+        adamw_reference(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays, finite)
         return
     grads = [g.contiguous() for g in grads]
     for group in _groups(params, grads, mus, nus, weight_decays):
-        launch(*group[:4], count, lr, b1, b2, eps, group[4])
+        launch(*group[:4], count, lr, b1, b2, eps, group[4], finite=finite)
 
 
 @fused_adamw_.register_fake
-def _(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays):
+def _(params, grads, mus, nus, count, lr, b1, b2, eps, weight_decays, finite=None):
     return None

@@ -6,7 +6,9 @@ donation ``copy_`` of each new param, first and second moment into its state sto
 inserts one ``fsg::fused_adamw_`` node that updates those storages in place, and deletes the
 copies; dead-code elimination then removes the traced math. The new update count and
 learning rate stay in the graph (the kernel reads them on the device), so schedules and bias
-correction need no host sync.
+correction need no host sync. A step that skips non-finite steps writes
+``where(finite, new, old)``; the pass hands ``finite`` to the kernel, which then writes nothing
+at a skipped step (docs/resilience.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fsg._src.trace import markers
 
 FUSED_ADAMW = torch.ops.fsg.fused_adamw_.default
 _COPY = torch.ops.aten.copy_.default
+_WHERE = torch.ops.aten.where.self
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -136,6 +139,18 @@ def _without_upcast(grad: fx.Node) -> fx.Node:
     return grad
 
 
+def skip_flag(sources: list[fx.Node]) -> fx.Node | None:
+    """The 0-d bool ``finite`` of the skip's ``where(finite, new, old)`` around every new value
+    in ``sources``; ``None`` when no value has one. Raises ``UnsupportedError`` when only some
+    do, or with different flags (the fused node writes all of them or none)."""
+    flags = {s.args[0] if isinstance(s, fx.Node) and s.target is _WHERE else None for s in sources}
+    flag = flags.pop() if len(flags) == 1 else "several"
+    value = flag.meta.get("val") if isinstance(flag, fx.Node) else None
+    if flag is not None and (value is None or value.dim() != 0 or value.dtype != torch.bool):
+        raise UnsupportedError(f"fused AdamW: the new params and moments are not all kept by one skip flag ({flag})")
+    return flag
+
+
 def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
     """Rewrites ``gm`` (a donated stage-1 graph that still has its ``fsg::grad`` markers) to
     update params and moments with one ``fsg::fused_adamw_`` node. Returns how many param
@@ -164,6 +179,7 @@ def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
     lr_copy = copies.get(placeholders[at.learning_rate])
     lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
     wds = at.weight_decays
+    finite = skip_flag([copies[placeholders[i]].args[1] for i in (*p_ids, *mu_ids, *nu_ids)])
     first = NodeOrder(graph).first(copies[n] for n in needed)
     with graph.inserting_before(first):
         graph.call_function(
@@ -179,6 +195,7 @@ def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
                 spec.b2,
                 spec.eps,
                 wds,
+                finite,
             ),
         )
     for i in (*p_ids, *mu_ids, *nu_ids):

@@ -68,7 +68,11 @@ def update_on_arrival(gm: fx.GraphModule) -> int:
     if len(fused) != 1:
         return len(fused)
     node = fused[0]
-    params, grads, mus, nus, count, lr, b1, b2, eps, wds = node.args
+    params, grads, mus, nus, count, lr, b1, b2, eps, wds, *finite = node.args
+    if finite and finite[0] is not None:
+        # A step that skips non-finite steps updates only once every gradient's norm is
+        # known: there is no earlier point to move updates to (docs/resilience.md).
+        return 1
     groups: dict[fx.Node | None, list[int]] = {}
     chains: dict[fx.Node | None, dict[fx.Node, None]] = {}  # ordered sets
     for k, grad in enumerate(grads):

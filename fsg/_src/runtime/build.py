@@ -53,6 +53,7 @@ class Builder:
         batch_sharding: P,
         fused_optimizer: bool | None,
         bucket_mb: float | None,
+        skip: bool | None = None,
     ):
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -63,6 +64,7 @@ class Builder:
         self._batch_sharding = batch_sharding
         self._fused_optimizer = fused_optimizer
         self._bucket_mb = bucket_mb
+        self._skip = skip
 
     def build(self, state: Any, batch: Any) -> Built:
         """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes, ``passes/pipeline.py``)
@@ -73,6 +75,7 @@ class Builder:
         validate.check_inputs(self._loss_fn, self._optimizer, state, batch)
         build = self._local if self._mesh is None else self._mesh_build
         adamw = self.fusion_plan(state)
+        self._skip_now = self.skips(adamw is not None)
         graph = build(
             state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None
         )
@@ -112,6 +115,7 @@ class Builder:
             precision=self._precision,
             accum_steps=self._accum_steps,
             mark_grads=mark_grads,
+            skip=self._skip_now,
         )
         n = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
@@ -143,6 +147,7 @@ class Builder:
                 mark_grads=True,
                 source_lines=True,  # stage 2's errors name the user's line
                 decompositions=op_support.mesh_decompositions(),  # only ops with verified rules reach stage 2
+                skip=self._skip_now,
             )
         n_global = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)
@@ -170,6 +175,15 @@ class Builder:
         n_local = len(local.graph.nodes)
         log.info("fsg: stage 2: per-rank graph (%d nodes) in %.1f s", n_local, time.perf_counter() - t0)
         return Built(traced, local, None, plan, {"traced": traced.graph_module, "sharded": local})
+
+    def skips(self, fused: bool) -> bool:
+        """Whether the step skips non-finite steps: when asked, and by default except where the
+        fused update is split per gradient bucket (on a mesh): the skip waits for every
+        gradient's norm, which would cost that overlap (docs/resilience.md). Always under a
+        loss scale."""
+        if self._precision.loss_scale is not None or self._skip is not None:
+            return self._precision.loss_scale is not None or bool(self._skip)
+        return not (fused and self._mesh is not None and bool(self._bucket_mb))
 
     def fusion_plan(self, state: Any) -> fusion.AdamWPlan | None:
         """The fused AdamW's plan when stage 3 will swap in the kernel: by default on CUDA

@@ -7,6 +7,7 @@ from fsg._src.optim._base import GradientTransformation
 from fsg._src.precision import Policy
 from fsg._src.rules import Rules
 from fsg._src.runtime import validate
+from fsg._src.runtime.nonfinite import SkipNonFinite
 from fsg._src.runtime.step import LossFn, Step
 
 
@@ -26,6 +27,7 @@ def compile_step(
     cuda_graph: bool | None = None,
     bucket_mb: float | None = 25.0,
     verify: bool = False,
+    skip_nonfinite: bool | SkipNonFinite | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -77,6 +79,14 @@ def compile_step(
         (``fsg.testing.verify_step``: both in float64, every metric and state leaf compared)
         and raise ``fsg.VerificationError`` naming the first leaf that differs. Costs two
         extra traces at the first call; nothing after.
+      skip_nonfinite: a step whose loss or gradient holds a NaN or an Inf leaves params,
+        optimizer state and buffers unchanged, decided in the graph (no host sync) and alike
+        on every rank; ``metrics["skipped"]`` and ``state.skips`` count such steps.
+        ``None`` (default): on, except on a mesh where the fused AdamW is split per gradient
+        bucket (the skip would wait for the last gradient); ``True``: on, raising
+        ``fsg.NonFiniteError`` after 100 skips in a row (checked every 100 steps);
+        ``fsg.SkipNonFinite(max_consecutive=, check_every=)``: on, with those numbers;
+        ``False``: off. Always on under a float16 loss scale (docs/resilience.md).
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -89,12 +99,12 @@ def compile_step(
       >>> state = step.init(fsg.params(model))
       >>> state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 1)})
       >>> sorted(metrics)
-      ['grad_norm', 'loss', 'lr']
+      ['grad_norm', 'loss', 'lr', 'skipped']
     """
     options = dict(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
         precision=precision, accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
-        bucket_mb=bucket_mb, verify=verify,
+        bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite,
     )  # fmt: skip
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

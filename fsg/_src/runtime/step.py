@@ -20,6 +20,7 @@ from fsg._src import tree
 from fsg._src.backend import cudagraph
 from fsg._src.backend import inductor as backend_lib
 from fsg._src.errors import (
+    ArgumentError,
     RecompileError,
     RecompileWarning,
     UnsupportedError,
@@ -29,12 +30,13 @@ from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.passes import buckets
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules
-from fsg._src.runtime import validate
+from fsg._src.runtime import nonfinite, validate
 from fsg._src.runtime import verify as verify_lib
 from fsg._src.runtime.build import Builder, Built
 from fsg._src.runtime.lowered import Lowered
 from fsg._src.runtime.signature import Signature, describe_change, structure_error
 from fsg._src.sharding import placement
+from fsg._src.trace import resilience
 from fsg._src.trace import tracing as trace_lib
 from fsg._src.train_state import TrainState
 
@@ -64,17 +66,24 @@ class Step:
         cuda_graph: bool | None = None,
         bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB,
         verify: bool = False,
+        skip_nonfinite: bool | nonfinite.SkipNonFinite | None = None,
     ):
         backend_lib.check_backend(backend)
         # what variant() rebuilds the step from
+        self._precision = check_policy(precision or Policy())
         self._config = dict(
             loss_fn=loss_fn, optimizer=optimizer, backend=backend, donate=donate, strict=strict, mesh=mesh,
             param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
             accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph, bucket_mb=bucket_mb,
+            skip_nonfinite=skip_nonfinite,
         )  # fmt: skip
+        skip, skip_policy = nonfinite.resolve(skip_nonfinite)
+        self._watchdog = nonfinite.Watchdog(skip_policy)
+        if skip is False and self._precision.loss_scale is not None:  # precision is checked above
+            raise ArgumentError("compile_step(skip_nonfinite=False) contradicts the Policy's float16 loss scale, which "
+                                "skips the steps that overflow; drop skip_nonfinite=False, or pass loss_scale=False")  # fmt: skip
         self._declared_mesh = mesh  # specs are checked against it even when it spans one device
         self._cuda_graph = cuda_graph
-        self._precision = check_policy(precision or Policy())
         self._mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._param_sharding = param_sharding
         if batch_sharding is None:
@@ -92,6 +101,7 @@ class Step:
             batch_sharding=batch_sharding,
             fused_optimizer=fused_optimizer,
             bucket_mb=bucket_mb,
+            skip=skip,
         )
         self._backend = backend
         self._donate = donate
@@ -138,7 +148,8 @@ class Step:
             ``loss_fn`` is called as ``loss_fn(params, batch, buffers)``.
 
         Returns:
-          ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers)``. On
+          ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers, skips,
+          loss_scale)`` (``loss_scale`` only under a Policy that scales the loss). On
           a mesh every leaf is a ``DTensor`` placed by ``param_sharding`` (optimizer state
           follows its parameter; scalars are replicated), and each rank holds only its shards.
         """
@@ -157,6 +168,8 @@ class Step:
             opt_state=self._optimizer.init(params),  # on DTensor params: states take their placements
             rng=torch.tensor([seed, 0], dtype=torch.int64, device=device),
             buffers=buffers,
+            skips=resilience.initial_skips(device),
+            loss_scale=resilience.initial_loss_scale(self._precision.loss_scale, device),
         )
         return state if self._mesh is None else placement.replicate_rest(state, self._mesh)
 
@@ -235,7 +248,8 @@ class Step:
 
         Returns:
           ``(new_state, metrics)``; metrics are 0-d tensors on the state's device (no host
-          sync): ``loss``, ``grad_norm``, ``lr`` and the aux outputs of ``loss_fn``.
+          sync): ``loss``, ``grad_norm``, ``lr``, ``skipped`` and ``loss_scale``
+          (docs/resilience.md) and the aux outputs of ``loss_fn``.
         """
         if self._verify_pending:
             self._verify_pending = False
@@ -263,6 +277,8 @@ class Step:
             new_state = tree.unflatten(signature.state_def, new_leaves)
         self._last_state_leaves = new_leaves
         self._last_state_specs = signature.state_specs
+        if "skipped" in names:  # every check_every calls: too many non-finite steps in a row?
+            self._watchdog.after_step(new_state)
         return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any) -> Lowered:

@@ -20,7 +20,7 @@ from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalar
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import markers, purity, random
+from fsg._src.trace import markers, purity, random, resilience
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
@@ -92,7 +92,7 @@ def check_accumulation(batch: Any, accum_steps: int) -> None:
             )
 
 
-def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses):
+def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses, scale):
     with torch.enable_grad():
         # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
         # after the cast to the compute dtype, so that gathers move the smaller dtype.
@@ -100,7 +100,8 @@ def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark
         used = [mark(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
         loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
-        raw = iter(torch.autograd.grad(loss, differentiable, allow_unused=True) if differentiable else ())
+        scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
+        raw = iter(torch.autograd.grad(scaled, differentiable, allow_unused=True) if differentiable else ())
     return loss, aux, [next(raw) if p.requires_grad else None for p in inputs]
 
 
@@ -113,13 +114,19 @@ def train_step(
     accum_steps: int = 1,
     mark_uses: bool = False,
     mark_grads: bool = False,
+    skip: bool = False,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One train step as a pure function of tensors: what stage 1 traces.
 
     Returns the new state and the metrics (``loss``, ``grad_norm``, ``lr`` when the optimizer
     has a learning rate, and the aux outputs of ``loss_fn``). With ``accum_steps`` > 1 the
-    gradients, loss and aux are means over that many microbatches.
+    gradients, loss and aux are means over that many microbatches. With ``skip`` (always
+    with a loss scale) a non-finite step leaves params, optimizer state and buffers as they
+    were and is counted in ``state.skips`` and ``metrics["skipped"]`` (docs/resilience.md).
     """
+    config = precision.loss_scale
+    resilience.check_state(state, skip=skip, config=config)
+    scale = resilience.scale_of(state, config)
 
     param_leaves, params_def = tree.flatten(state.params)
     # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
@@ -132,7 +139,7 @@ def train_step(
     loss, aux, sums = None, {}, [None] * len(inputs)
     with random.keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
         for mb in micro:  # unrolled: each microbatch's activations die after its backward
-            mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses)
+            mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses, scale)
             loss = mb_loss.float() if loss is None else loss + mb_loss.float()
             aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
             sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
@@ -140,6 +147,8 @@ def train_step(
         loss = loss / accum_steps
         aux = {k: v / accum_steps for k, v in aux.items()}
         sums = [None if g is None else g / accum_steps for g in sums]
+    if scale is not None:  # unscaled before the markers: stage 2 and the fused update see true gradients
+        sums = [None if g is None else g / scale.to(g.dtype) for g in sums]
     grad_leaves = []
     for i, (p, g) in enumerate(zip(inputs, sums)):
         g = torch.zeros_like(p) if g is None else g
@@ -152,15 +161,27 @@ def train_step(
     lr = learning_rate(opt_state)
     if lr is not None:
         metrics["lr"] = lr
+    builtin = {*metrics, *(("skipped",) if skip or config is not None else ()), *(("loss_scale",) if config else ())}
     for name, value in aux.items():
-        if name in metrics:
+        if name in builtin:
             raise LossNotScalarError(
                 f"the aux output of loss_fn has the key {name!r}, which names a built-in metric; "
-                f"rename it (built-in metrics: {sorted(metrics)})."
+                f"rename it (built-in metrics: {sorted(builtin)})."
             )
         metrics[name] = value.detach()
     rng = torch.cat([state.rng[:1], state.rng[1:] + 1])  # (seed, counter + 1)
-    new_state = TrainState(state.step + 1, params, opt_state, rng, buffers)
+    skips, loss_scale = state.skips, state.loss_scale
+    if skip or config is not None:
+        finite = resilience.is_finite(metrics["loss"], metrics["grad_norm"])
+        params, opt_state, buffers = resilience.keep_if_skipped(
+            finite, (params, opt_state, buffers), (state.params, state.opt_state, state.buffers)
+        )
+        skips = resilience.next_skips(finite, state.skips)
+        metrics["skipped"] = skips.skipped
+        if config is not None:
+            metrics["loss_scale"] = scale.clone()  # the scale this step used (the input is overwritten)
+            loss_scale = resilience.next_loss_scale(finite, state.loss_scale, config)
+    new_state = TrainState(state.step + 1, params, opt_state, rng, buffers, skips, loss_scale)
     return new_state, metrics
 
 
@@ -173,9 +194,14 @@ def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
             continue
         dst, src = node.args[0], node.args[1]
+        kept = src  # skipping writes where(finite, clone(x), x): dropped only if nothing read the clone
+        if isinstance(src, fx.Node) and src.target is torch.ops.aten.where.self and src.args[2] is dst:
+            src = src.args[1] if len(src.args[1].users) == 1 else src  # (a schema may hide a write)
         is_copy = isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default and src.args[0] is dst
-        if dst.op == "placeholder" and is_copy and not node.users and src not in written:
+        if dst.op == "placeholder" and is_copy and not node.users and src not in written and len(kept.users) == 1:
             gm.graph.erase_node(node)
+            if kept is not src:
+                gm.graph.erase_node(kept)
             src.replace_all_uses_with(dst)
             gm.graph.erase_node(src)
     gm.recompile()
@@ -194,6 +220,7 @@ def trace(
     mark_grads: bool = False,
     source_lines: bool = False,
     decompositions: dict[Any, Callable[..., Any]] | None = None,
+    skip: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
 
@@ -220,6 +247,7 @@ def trace(
             accum_steps,
             mark_uses,
             mark_grads,
+            skip,
         )
         new_leaves, new_def = tree.flatten(new_state)
         if new_def != state_def:
