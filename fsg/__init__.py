@@ -5,6 +5,7 @@ from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
 from fsg import sharding as sharding
+from fsg import topology as topology
 from fsg._src.errors import ArgumentError as ArgumentError
 from fsg._src.errors import BatchError as BatchError
 from fsg._src.errors import CheckpointError as CheckpointError
@@ -20,6 +21,7 @@ from fsg._src.errors import RecompileWarning as RecompileWarning
 from fsg._src.errors import ShardingFallbackWarning as ShardingFallbackWarning
 from fsg._src.errors import ShardingRuleError as ShardingRuleError
 from fsg._src.errors import StructureMismatchError as StructureMismatchError
+from fsg._src.errors import TopologyError as TopologyError
 from fsg._src.errors import UnsupportedError as UnsupportedError
 from fsg._src.errors import VerificationError as VerificationError
 from fsg._src.functional import apply as apply
@@ -35,6 +37,8 @@ from fsg._src.runtime.lowered import Cost as Cost
 from fsg._src.runtime.lowered import Lowered as Lowered
 from fsg._src.runtime.memory import Memory as Memory
 from fsg._src.runtime.step import Step as Step
+from fsg._src.topology.description import Topology as Topology
+from fsg._src.topology.plan import plan as plan
 from fsg._src.train_state import TrainState as TrainState
 from fsg._src.version import __version__ as __version__
 
@@ -52,6 +56,10 @@ __all__ = [
     "Policy",
     "ShardingFallbackWarning",
     "ShardingRuleError",
+    "Topology",
+    "TopologyError",
+    "plan",
+    "topology",
     "distributed",
     "sharding",
     "FsgError",

@@ -9,7 +9,7 @@ def test_fsg_public_names():
     assert sorted(fsg.__all__) == sorted([
         "ArgumentError", "BatchError", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "EvalStep", "FsgError", "Mesh", "MeshError", "P", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError", "Memory",
         "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
-        "TrainState", "UnsupportedError", "VerificationError", "apply", "buffers", "compile_eval", "compile_step", "nn", "optim", "params",
+        "Topology", "TopologyError", "TrainState", "UnsupportedError", "plan", "topology", "VerificationError", "apply", "buffers", "compile_eval", "compile_step", "nn", "optim", "params",
     ])  # fmt: skip
     for name in fsg.__all__:
         assert getattr(fsg, name) is not None

@@ -378,7 +378,8 @@ LOSSES = [
 
 # --- layers: nn modules and functional layers ------------------------------------------------
 # Linear, conv 1d/2d/transposed, batch/group/layer/instance/RMS norm, embedding, pooling,
-# dropout switched off, attention (SDPA causal and with a padding mask), recurrent layers.
+# dropout switched off and on (keyed by state.rng: the same masks sharded and unsharded),
+# attention (SDPA causal and with a padding mask), recurrent layers.
 # Batch norm in training computes its statistics over the (sharded) batch rows.
 
 
@@ -598,6 +599,7 @@ LAYERS = [
     Case("F.embedding_bag(mode='mean')", "layer", _embedding_bag),
     Case("F.dropout(p=0.0, training=True)", "layer", _pointwise(lambda h: F.dropout(torch.tanh(h), p=0.0, training=True)), tp=True),
     Case("F.dropout(p=0.5, training=False)", "layer", _pointwise(lambda h: F.dropout(torch.tanh(h), p=0.5, training=False)), tp=True),
+    Case("F.dropout(p=0.3) (keyed by state.rng)", "layer", _pointwise(lambda h: F.dropout(torch.tanh(h), p=0.3, training=True)), tp=True),
     Case("nn.PReLU(num_parameters=H)", "layer", _net(_mlp_with(lambda s: ("act", nn.PReLU(s.H, init=0.2))), _flat_x), tp=True),
     Case("F.max_pool1d(2)", "layer", _pool1d(lambda t: F.max_pool1d(t, 2)), tp=True),
     Case("F.avg_pool1d(3, stride=1, padding=1, count_include_pad=False)", "layer", _pool1d(lambda t: F.avg_pool1d(t, 3, stride=1, padding=1, count_include_pad=False)), tp=True),
@@ -613,6 +615,7 @@ LAYERS = [
     Case("F.scaled_dot_product_attention(attn_mask=bool padding mask)", "layer", _attention(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b["keep"][:, None, None, :]), mask=True), tp=True),
     Case("nn.MultiheadAttention(batch_first=True)", "layer", _net(lambda s: [("fc", nn.Linear(s.D, s.H)), ("mha", _SelfAttention(lambda: nn.MultiheadAttention(s.H, 2, batch_first=True))), ("mean", _mean_over(1)), ("head", nn.Linear(s.H, s.C))], _seq_x)),
     Case("nn.TransformerEncoderLayer(dropout=0.0)", "layer", _net(lambda s: [("fc", nn.Linear(s.D, s.H)), ("block", nn.TransformerEncoderLayer(s.H, 2, 2 * s.H, dropout=0.0, batch_first=True)), ("mean", _mean_over(1)), ("head", nn.Linear(s.H, s.C))], _seq_x)),
+    Case("nn.TransformerEncoderLayer(dropout=0.1) (keyed by state.rng)", "layer", _net(lambda s: [("fc", nn.Linear(s.D, s.H)), ("block", nn.TransformerEncoderLayer(s.H, 2, 2 * s.H, dropout=0.1, batch_first=True)), ("mean", _mean_over(1)), ("head", nn.Linear(s.H, s.C))], _seq_x)),
     Case("nn.GRU(batch_first=True)", "layer", _recurrent(lambda s: nn.GRU(s.D, s.H, batch_first=True))),
     # nn.LSTM is not here: on CPU its backward is mkldnn_rnn_layer_backward, which the
     # unsharded step cannot trace (an undefined 'workspace' tensor); the cell unrolled is.
