@@ -27,9 +27,9 @@ class DynamicLossScale(NamedTuple):
       min_scale: the floor the scale never goes below.
 
     Example:
-      >>> policy = fsg.Policy(compute=torch.float16, loss_scale=fsg.DynamicLossScale(growth_interval=500))
-      >>> policy.loss_scale.initial
-      32768.0
+      >>> policy = fsg.Policy(compute=torch.float16)  # DynamicLossScale() by default
+      >>> policy.loss_scale.initial, policy.loss_scale.growth_interval
+      (32768.0, 2000)
     """
 
     initial: float = 2.0**15

@@ -30,8 +30,12 @@ class SkipNonFinite(NamedTuple):
       check_every: calls between two checks (the only host syncs this costs).
 
     Example:
-      >>> step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3),
-      ...                         skip_nonfinite=fsg.SkipNonFinite(max_consecutive=20, check_every=10))
+      >>> loss_fn = lambda params, batch: (params["w"] * batch).sum()
+      >>> policy = SkipNonFinite(max_consecutive=20, check_every=10)  # fsg.SkipNonFinite
+      >>> step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), skip_nonfinite=policy, backend="eager")
+      >>> state, metrics = step(step.init({"w": torch.ones(2)}), torch.tensor([1.0, float("nan")]))
+      >>> int(metrics["skipped"]), state.params["w"].tolist()
+      (1, [1.0, 1.0])
     """
 
     max_consecutive: int | None = 100
