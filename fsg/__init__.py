@@ -1,6 +1,7 @@
 """fsg: full-step graphs, a JAX-style functional training API for PyTorch."""
 
 from fsg import checkpoint as checkpoint
+from fsg import data as data
 from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
@@ -10,11 +11,13 @@ from fsg._src.errors import ArgumentError as ArgumentError
 from fsg._src.errors import BatchError as BatchError
 from fsg._src.errors import CheckpointError as CheckpointError
 from fsg._src.errors import CudaGraphWarning as CudaGraphWarning
+from fsg._src.errors import DataError as DataError
 from fsg._src.errors import FsgError as FsgError
 from fsg._src.errors import HostSyncError as HostSyncError
 from fsg._src.errors import ImpureLossError as ImpureLossError
 from fsg._src.errors import LossNotScalarError as LossNotScalarError
 from fsg._src.errors import MeshError as MeshError
+from fsg._src.errors import NonFiniteError as NonFiniteError
 from fsg._src.errors import NonTensorLeafError as NonTensorLeafError
 from fsg._src.errors import RecompileError as RecompileError
 from fsg._src.errors import RecompileWarning as RecompileWarning
@@ -29,6 +32,7 @@ from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
+from fsg._src.precision import DynamicLossScale as DynamicLossScale
 from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
 from fsg._src.runtime.eval_step import EvalStep as EvalStep
@@ -36,6 +40,7 @@ from fsg._src.runtime.eval_step import compile_eval as compile_eval
 from fsg._src.runtime.lowered import Cost as Cost
 from fsg._src.runtime.lowered import Lowered as Lowered
 from fsg._src.runtime.memory import Memory as Memory
+from fsg._src.runtime.nonfinite import SkipNonFinite as SkipNonFinite
 from fsg._src.runtime.step import Step as Step
 from fsg._src.topology.description import Topology as Topology
 from fsg._src.topology.plan import plan as plan
@@ -56,6 +61,11 @@ __all__ = [
     "Policy",
     "ShardingFallbackWarning",
     "ShardingRuleError",
+    "DataError",
+    "DynamicLossScale",
+    "NonFiniteError",
+    "SkipNonFinite",
+    "data",
     "Topology",
     "TopologyError",
     "plan",
