@@ -24,7 +24,7 @@ def _nan_batch(seed=0):
 def test_a_nan_step_leaves_params_and_optimizer_state_unchanged_and_is_counted(fused):
     model = mlp()
     step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
-                            backend="aot_eager", fused_optimizer=fused)  # fmt: skip
+                            backend="aot_eager", fused_optimizer=fused, skip_nonfinite=True)  # fmt: skip
     state = step.init(fsg.params(model))
     state, m = step(state, regression_batch(seed=0))
     before = _leaves(state)
@@ -45,7 +45,7 @@ def test_the_fused_update_reads_the_skip_flag_and_matches_the_traced_math():
     for fused in (False, True):
         model = mlp(seed=3)
         step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-2), backend="aot_eager",
-                                fused_optimizer=fused)  # fmt: skip
+                                fused_optimizer=fused, skip_nonfinite=True)  # fmt: skip
         state = step.init(fsg.params(model))
         if fused:
             text = step.lower(state, regression_batch()).as_text()
@@ -63,7 +63,7 @@ def test_an_infinite_gradient_with_a_finite_loss_is_skipped():
     def loss_fn(p, b):  # sqrt at 0: the value is 0, its gradient +inf
         return ((b["x"] @ p["w"]) ** 2).mean() + torch.sqrt(p["w"][0, 0] - p["w"][0, 0].detach())
 
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", skip_nonfinite=True)
     state = step.init({"w": torch.randn(3, 2)})
     w = state.params["w"].clone()
     state, m = step(state, {"x": torch.randn(4, 3)})
@@ -79,7 +79,7 @@ def test_buffers_are_kept_at_a_skipped_step_and_unread_ones_cost_no_copy():
         out = fsg.apply(model, params, batch["x"], buffers=buffers)
         return ((out - batch["y"]) ** 2).mean()
 
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager", skip_nonfinite=True)
     state = step.init(fsg.params(model), buffers=fsg.buffers(model))
     unused = tree.leaf_paths(state, "state").index("state.buffers['unused']")
     assert f"copy_.default(arg{unused}_1," not in step.lower(state, regression_batch()).as_text()
@@ -140,7 +140,7 @@ def test_bad_options_are_refused(kwargs, match):
 
 def test_a_state_without_counters_is_refused():
     model = mlp()
-    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
+    step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.sgd(0.1), backend="aot_eager", skip_nonfinite=True)
     state = step.init(fsg.params(model))._replace(skips=())
     with pytest.raises(fsg.StructureMismatchError, match="state.skips"):
         step(state, regression_batch())

@@ -36,7 +36,17 @@ def test_cuda_step_matches_torch_adamw(backend):
         assert rel_err(state.params[k], p.detach()) < 1e-5, k
 
 
-def test_cuda_gpt_step_learns():
+@pytest.mark.parametrize(
+    "skip",
+    [
+        False,
+        pytest.param(True, marks=pytest.mark.xfail(reason=(
+            "torch 2.11 Inductor on the H200: the skipping step's kernel that updates the scalar "
+            "state declares more output pointers than its launch passes (CUDA driver error: invalid "
+            "argument); docs/resilience.md"), strict=False)),
+    ],
+)  # fmt: skip
+def test_cuda_gpt_step_learns(skip):
     import sys
     from pathlib import Path
 
@@ -48,7 +58,7 @@ def test_cuda_gpt_step_learns():
     def loss_fn(params, batch):
         return fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])
 
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(3e-3))
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(3e-3), skip_nonfinite=skip)
     state = step.init(fsg.params(model))
     x = torch.randint(0, 64, (8, 33), device="cuda")
     batch = {"x": x[:, :-1], "y": x[:, 1:]}  # memorize one batch

@@ -177,13 +177,13 @@ class Builder:
         return Built(traced, local, None, plan, {"traced": traced.graph_module, "sharded": local})
 
     def skips(self, fused: bool) -> bool:
-        """Whether the step skips non-finite steps: when asked, and by default except where the
-        fused update is split per gradient bucket (on a mesh): the skip waits for every
-        gradient's norm, which would cost that overlap (docs/resilience.md). Always under a
-        loss scale."""
-        if self._precision.loss_scale is not None or self._skip is not None:
-            return self._precision.loss_scale is not None or bool(self._skip)
-        return not (fused and self._mesh is not None and bool(self._bucket_mb))
+        """Whether the step skips non-finite steps: when asked (off by default: on CUDA,
+        Inductor in torch 2.11 generated a kernel that fails to launch for the skip's graph of
+        a small GPT, docs/resilience.md), and always under a loss scale. ``fused``: whether
+        the fused AdamW applies (on a mesh, a skip waits for every gradient's norm, which
+        costs the per-bucket update its overlap)."""
+        del fused  # the cost is the user's choice now; docs/resilience.md says it
+        return self._precision.loss_scale is not None or bool(self._skip)
 
     def fusion_plan(self, state: Any) -> fusion.AdamWPlan | None:
         """The fused AdamW's plan when stage 3 will swap in the kernel: by default on CUDA

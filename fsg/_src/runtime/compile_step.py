@@ -82,11 +82,11 @@ def compile_step(
       skip_nonfinite: a step whose loss or gradient holds a NaN or an Inf leaves params,
         optimizer state and buffers unchanged, decided in the graph (no host sync) and alike
         on every rank; ``metrics["skipped"]`` and ``state.skips`` count such steps.
-        ``None`` (default): on, except on a mesh where the fused AdamW is split per gradient
-        bucket (the skip would wait for the last gradient); ``True``: on, raising
+        ``None`` or ``False`` (default): off (on CUDA, torch 2.11's Inductor failed to
+        launch a kernel of the skipping step of a small GPT: docs/resilience.md); ``True``: on, raising
         ``fsg.NonFiniteError`` after 100 skips in a row (checked every 100 steps);
         ``fsg.SkipNonFinite(max_consecutive=, check_every=)``: on, with those numbers;
-        ``False``: off. Always on under a float16 loss scale (docs/resilience.md).
+        Always on under a float16 loss scale (docs/resilience.md).
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.

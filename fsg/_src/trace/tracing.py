@@ -198,7 +198,7 @@ def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
         if isinstance(src, fx.Node) and src.target is torch.ops.aten.where.self and src.args[2] is dst:
             src = src.args[1] if len(src.args[1].users) == 1 else src  # (a schema may hide a write)
         is_copy = isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default and src.args[0] is dst
-        if dst.op == "placeholder" and is_copy and not node.users and src not in written and len(kept.users) == 1:
+        if dst.op == "placeholder" and is_copy and not node.users and src not in written and (kept is src or len(kept.users) == 1):
             gm.graph.erase_node(node)
             if kept is not src:
                 gm.graph.erase_node(kept)
