@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -44,6 +45,7 @@ class _PolicyFields(NamedTuple):
     compute: torch.dtype
     reduce: torch.dtype | None
     loss_scale: DynamicLossScale | None
+    autocast: bool
 
 
 class Policy(_PolicyFields):
@@ -64,6 +66,13 @@ class Policy(_PolicyFields):
         so the update differs from the float32 reduction by about bf16's precision (3 digits).
       loss_scale: a ``DynamicLossScale``, or ``None``. Left out, float16 compute gets
         ``DynamicLossScale()`` and other dtypes none; ``False`` turns it off for float16.
+      autocast: ``False`` (default): every floating-point parameter and batch leaf is cast to
+        ``compute`` where the loss reads it, so every op runs in ``compute``. ``True``: the loss
+        runs under ``torch.autocast(dtype=compute)`` instead and nothing is cast up front:
+        matmuls and convolutions run in ``compute``, while the ops autocast keeps in float32
+        (embedding, layer norm, softmax, losses, reductions) and their gradients stay in
+        float32, as in a ``torch.compile`` + autocast baseline (the same numerics, op for op).
+        On a mesh, FSDP then gathers parameters in ``param``'s dtype.
 
     Example:
       >>> policy = fsg.Policy(param=torch.float32, compute=torch.bfloat16)
@@ -79,18 +88,33 @@ class Policy(_PolicyFields):
         compute: torch.dtype = torch.float32,
         reduce: torch.dtype | None = None,
         loss_scale: DynamicLossScale | bool | None = None,
+        autocast: bool = False,
     ) -> Policy:
         if loss_scale is None or loss_scale is True:
             loss_scale = DynamicLossScale() if compute == torch.float16 or loss_scale else None
         elif loss_scale is False:
             loss_scale = None
-        policy = super().__new__(cls, param, compute, reduce, loss_scale)
+        policy = super().__new__(cls, param, compute, reduce, loss_scale, autocast)
         check_policy(policy)
         return policy
 
     def cast_compute(self, tree_: Any) -> Any:
-        """Floating-point leaves of ``tree_`` in the compute dtype; other leaves unchanged."""
+        """Floating-point leaves of ``tree_`` in the compute dtype (as they are under
+        ``autocast``, which casts per op); other leaves unchanged."""
+        if self.autocast:
+            return tree_
         return tree.tree_map(lambda t: t.to(self.compute) if t.is_floating_point() else t, tree_)
+
+    def read_param(self, p: torch.Tensor) -> torch.Tensor:
+        """A parameter as the loss reads it: in the compute dtype, or as it is under autocast."""
+        return p if self.autocast else p.to(self.compute)
+
+    def region(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Where the loss runs: under ``torch.autocast`` with ``autocast=True`` and a compute
+        dtype other than float32, else no context."""
+        if not self.autocast or self.compute == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.compute)
 
     def cast_param(self, tree_: Any) -> Any:
         """Floating-point leaves of ``tree_`` in the param dtype; other leaves unchanged."""
@@ -108,6 +132,7 @@ def check_policy(policy: Any) -> Policy:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise checks.fail(f"fsg.Policy({name}=...)", "must be a floating-point torch.dtype", dtype,
                               "E.g. torch.float32 or torch.bfloat16 (integer leaves keep their dtype anyway)")  # fmt: skip
+    checks.instance("fsg.Policy(autocast=...)", policy.autocast, bool, what="a bool", fix="autocast=True or False")
     scale = policy.loss_scale
     if scale is not None:
         checks.instance("fsg.Policy(loss_scale=...)", scale, DynamicLossScale, what="an fsg.DynamicLossScale, a bool or None",

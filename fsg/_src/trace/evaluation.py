@@ -97,9 +97,9 @@ def trace_eval(
         s = tree.unflatten(state_def, flat[:n_state])
         leaves, params_def = tree.flatten(s.params)
         mark = markers.param_use if mark_uses else (lambda p, i: p)
-        used = [mark(p.to(precision.compute), i) if p.is_floating_point() else p for i, p in enumerate(leaves)]
+        used = [mark(precision.read_param(p), i) if p.is_floating_point() else p for i, p in enumerate(leaves)]
         buffers = tree.tree_map(torch.clone, s.buffers)  # writes land in copies; unwritten ones are dropped
-        with functional.training(False), random.keyed(s.rng):
+        with functional.training(False), random.keyed(s.rng), precision.region(leaves[0].device):
             metrics, single = _call(
                 fn,
                 tree.unflatten(params_def, used),

@@ -97,8 +97,9 @@ def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark
         # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
         # after the cast to the compute dtype, so that gathers move the smaller dtype.
         mark = markers.param_use if mark_uses else (lambda p, i: p)
-        used = [mark(p.to(precision.compute), i) if p.requires_grad else p for i, p in enumerate(inputs)]
-        loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
+        used = [mark(precision.read_param(p), i) if p.requires_grad else p for i, p in enumerate(inputs)]
+        with precision.region(inputs[0].device):  # torch.autocast under Policy(autocast=True)
+            loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
         raw = iter(torch.autograd.grad(scaled, differentiable, allow_unused=True) if differentiable else ())
