@@ -103,3 +103,10 @@ class NonFiniteError(FsgError, FloatingPointError):
     """Too many steps in a row had a non-finite loss or gradient and were skipped
     (``compile_step(skip_nonfinite=fsg.SkipNonFinite(max_consecutive=...))``): training is
     not recovering by itself. The message names the steps."""
+
+
+class ReplicaMismatchError(FsgError):
+    """``compile_step(check_replicas=N)`` (or ``check_replicas(state)``) found ranks that hold
+    the same shard of a state leaf holding different bytes: replicas drifted apart (silent data
+    corruption, a non-deterministic update, a state changed on some ranks only). The message
+    names the first such leaf and the ranks that differ."""

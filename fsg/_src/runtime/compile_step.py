@@ -28,6 +28,7 @@ def compile_step(
     bucket_mb: float | None = 25.0,
     verify: bool = False,
     skip_nonfinite: bool | SkipNonFinite | None = None,
+    check_replicas: int | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -87,6 +88,12 @@ def compile_step(
         ``fsg.NonFiniteError`` after 100 skips in a row (checked every 100 steps);
         ``fsg.SkipNonFinite(max_consecutive=, check_every=)``: on, with those numbers;
         Always on under a float16 loss scale (docs/resilience.md).
+      check_replicas: on a mesh, every this many calls (after the step) fingerprint every
+        state leaf's local shard on its device, gather the fingerprints with one
+        ``all_gather`` and raise ``fsg.ReplicaMismatchError`` naming the first leaf whose
+        ranks holding the same shard hold different bytes, and those ranks (silent data
+        corruption, replicas drifting apart). ``None`` or 0 (default): never. The check is
+        ``fsg.check_replicas(state)``; its cost is in docs/resilience.md#replica-checks.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -104,7 +111,7 @@ def compile_step(
     options = dict(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
         precision=precision, accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
-        bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite,
+        bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
     )  # fmt: skip
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

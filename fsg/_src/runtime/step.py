@@ -30,7 +30,7 @@ from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.passes import buckets
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules
-from fsg._src.runtime import nonfinite, validate
+from fsg._src.runtime import nonfinite, replicas, validate
 from fsg._src.runtime import verify as verify_lib
 from fsg._src.runtime.build import Builder, Built
 from fsg._src.runtime.lowered import Lowered
@@ -67,6 +67,7 @@ class Step:
         bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB,
         verify: bool = False,
         skip_nonfinite: bool | nonfinite.SkipNonFinite | None = None,
+        check_replicas: int | None = None,
     ):
         backend_lib.check_backend(backend)
         # what variant() rebuilds the step from
@@ -75,10 +76,11 @@ class Step:
             loss_fn=loss_fn, optimizer=optimizer, backend=backend, donate=donate, strict=strict, mesh=mesh,
             param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
             accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph, bucket_mb=bucket_mb,
-            skip_nonfinite=skip_nonfinite,
+            skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
         )  # fmt: skip
         skip, skip_policy = nonfinite.resolve(skip_nonfinite)
         self._watchdog = nonfinite.Watchdog(skip_policy)
+        self._replica_check = replicas.ReplicaCheck(check_replicas)  # every N calls: docs/resilience.md
         if skip is False and self._precision.loss_scale is not None:  # precision is checked above
             raise ArgumentError("compile_step(skip_nonfinite=False) contradicts the Policy's float16 loss scale, which "
                                 "skips the steps that overflow; drop skip_nonfinite=False, or pass loss_scale=False")  # fmt: skip
@@ -127,7 +129,7 @@ class Step:
         run a step another way (``fsg.testing.verify_step`` runs it unsharded, in float64,
         without a fused optimizer or CUDA-graph replay)."""
         config = {**self._config, "backend": "eager", "donate": False, "strict": False}
-        config.update(fused_optimizer=False, cuda_graph=False, **changes)
+        config.update(fused_optimizer=False, cuda_graph=False, check_replicas=None, **changes)
         return Step(**config)
 
     @property
@@ -279,6 +281,7 @@ class Step:
         self._last_state_specs = signature.state_specs
         if "skipped" in names:  # every check_every calls: too many non-finite steps in a row?
             self._watchdog.after_step(new_state)
+        self._replica_check.after_step(new_state)  # every check_replicas calls: do replicas agree?
         return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any) -> Lowered:

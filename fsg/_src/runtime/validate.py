@@ -57,6 +57,9 @@ def check_compile_args(loss_fn: Any, mesh: Any, optimizer: Any, options: dict[st
         checks.flag(f"compile_step({name}=...)", options[name], optional=True)
     if options["bucket_mb"] is not None:
         checks.real("compile_step(bucket_mb=...)", options["bucket_mb"], low=0.0, fix="Pass None or 0 for no buckets")
+    if options["check_replicas"] is not None:
+        checks.integer("compile_step(check_replicas=...)", options["check_replicas"], low=0,
+                       fix="It is how many steps pass between two replica checks; 0 or None turns them off")  # fmt: skip
 
 
 def check_init(params: Any, seed: Any) -> None:
