@@ -3,13 +3,22 @@
     python examples/train_gpt.py                      # CPU default: ~2-3 minutes on 2 cores
     python examples/train_gpt.py --device cuda --n-layer 6 --n-embd 384 --block-size 256 --steps 5000
     torchrun --nproc-per-node=4 examples/train_gpt.py --mesh dp=2,tp=2   # sharded, 4 processes
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=3 \
+        examples/train_gpt.py --mesh dp=2 --checkpoint-dir ckpt   # resumes after a crash
 
 The whole train step (forward, backward, AdamW with warm-up and cosine decay, gradient
 clipping) is one compiled graph. Batches come from ``fsg.data.Loader``: a deterministic
 sequence of ``[B, T + 1]`` token blocks (the input/target shift is in the loss, so it is
 traced into the step), assembled ahead by a background thread; under ``--mesh`` each rank
-reads only its own rows. The script prints a progress bar, samples text from the model
-every ``--sample-every`` steps, and writes the loss curve to ``OUT/loss.png``.
+reads only its own rows. The script prints a progress bar (plain lines when stdout is not a
+terminal), writes every step's metrics to ``OUT/metrics.jsonl``, samples text from the model
+every ``--sample-every`` steps, and writes the loss curve to ``OUT/loss.png``. Under torchrun,
+rank 0 prints and rank r > 0 writes ``OUT/rank{r}.log``.
+
+With ``--checkpoint-dir`` it saves the train state and the loader's position together every
+``--save-every`` steps and at the end, and a run started (or restarted by ``torchrun
+--max-restarts``) resumes from the latest complete checkpoint: the same batches and random
+keys, so the same losses (docs/resilience.md, "Resuming a run").
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -24,11 +34,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpt import GPT, GPTConfig  # noqa: E402
+from run_log import RunLog, peak_flops, read_metrics  # noqa: E402
 
 import fsg  # noqa: E402
 import fsg.data  # noqa: E402
@@ -140,7 +150,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="out", help="folder for loss.png")
+    p.add_argument("--out", default="out", help="folder for loss.png, metrics.jsonl and the rank logs")
+    p.add_argument("--metrics-file", help="per-step metrics, one JSON object a line (default: OUT/metrics.jsonl)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between host syncs that log the held metrics")
+    p.add_argument(
+        "--checkpoint-dir", help="save here and resume from the latest checkpoint in it (default: no checkpoints)"
+    )
+    p.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (and one at the end)")
     p.add_argument("--mesh", help="shard over a device mesh under torchrun, e.g. dp=2,tp=2")
     return p.parse_args(argv)
 
@@ -169,7 +185,34 @@ def gathered(params):
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in params.items()}
 
 
-def main(argv=None) -> dict[str, float]:
+# Fault injection for tests/dist/test_example_resume.py: the last rank kills itself (SIGKILL)
+# after this step, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT = 0).
+KILL_AT_STEP = "FSG_EXAMPLE_KILL_AT_STEP"
+
+
+def maybe_kill(i: int, rank: int, world: int, manager) -> None:
+    if os.environ.get(KILL_AT_STEP) != str(i) or rank != world - 1:
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if manager is not None:
+        manager.wait()  # the save in flight completes first: the restart's resume point is known
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume(manager, state, loader, log):
+    """The train state and the loader's position from the latest complete checkpoint, if any."""
+    latest = manager.latest() if manager is not None else None  # waits for a save in flight
+    if latest is None:
+        return state, 0
+    saved = manager.restore(latest, like={"train": state, "data": loader.state_dict()})
+    loader.restore(saved["data"])
+    log(f"resumed from {manager.step_dir(latest)}: step {int(saved['train'].step)}, "
+        f"data epoch {loader.epoch} position {loader.position}")  # fmt: skip
+    return saved["train"], int(saved["train"].step)
+
+
+def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     mesh = None
@@ -177,18 +220,15 @@ def main(argv=None) -> dict[str, float]:
         info = fsg.distributed.initialize(backend="gloo" if args.device == "cpu" else None)
         mesh = fsg.Mesh(parse_mesh(args.mesh), device_type=info.device.type)
         args.device = str(info.device)
-    is_main = mesh is None or torch.distributed.get_rank() == 0
-    log = print if is_main else (lambda *a, **k: None)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if mesh else (0, 1)
+    is_main = rank == 0
+    out = Path(args.out)
     device = torch.device(args.device)
     data = CharData(load_text(args.data), args.block_size, device, args.seed)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     model = GPT(cfg).to(device)
     params = fsg.params(model)
     n_params = sum(p.numel() for p in params.values())
-    log(f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
-          f"unigram baseline {data.unigram_entropy:.3f} nats/char")  # fmt: skip
-    log(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}"
-        + (f"; {mesh!r}" if mesh else ""))  # fmt: skip
 
     def loss_fn(params, tokens_BT):  # tokens_BT: [B, T + 1] from the loader; the shift is traced
         logits_BTV = fsg.apply(model, params, tokens_BT[:, :-1])
@@ -207,37 +247,51 @@ def main(argv=None) -> dict[str, float]:
     state = step.init(params, seed=args.seed)
     loader = data.loader(args.batch_size, seed=args.seed, mesh=mesh)
     del params  # the state holds its own copy, updated in place
-
-    log(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
-    t0 = time.perf_counter()
-    first = next(loader)
-    state, metrics = step(state, first)
-    log(f"compiled and ran step 1 in {time.perf_counter() - t0:.1f}s")
-    if mesh:
-        rows = step.lower(state, first).collectives()
-        log(
-            f"sharding {mesh_axes}: collectives per step: "
-            + ", ".join(f"{r.count} {r.kind} over {r.axis}" for r in rows)
+    manager = None
+    if args.checkpoint_dir:  # after initialize(): its exit hook then flushes before the group goes
+        manager = fsg.checkpoint.CheckpointManager(
+            args.checkpoint_dir, max_to_keep=2, save_interval_steps=args.save_every
         )
+    pre_log: list[str] = []
+    state, start = resume(manager, state, loader, pre_log.append)
 
-    history, val_history = [(1, float(metrics["loss"]))], []
-    bar = tqdm(
-        range(2, args.steps + 1),
-        initial=1,
-        total=args.steps,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=1.0,
-        disable=not is_main,
-    )
-    t_train = time.perf_counter()
-    for i in bar:
-        state, metrics = step(state, next(loader))
-        if i % 10 == 0 or i == args.steps:
-            loss = float(metrics["loss"])  # a host sync every 10 steps only
-            history.append((i, loss))
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.1e}")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    metrics_file = Path(args.metrics_file) if args.metrics_file else out / "metrics.jsonl"
+    run = RunLog(out, rank=rank, total_steps=args.steps, start_step=start, metrics_file=metrics_file,
+                 tokens_per_step=args.batch_size * args.block_size, flush_every=args.log_every,
+                 extra={"attempt": attempt} if "TORCHELASTIC_RESTART_COUNT" in os.environ else None)  # fmt: skip
+    log = run.print
+    log(f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
+        f"unigram baseline {data.unigram_entropy:.3f} nats/char")  # fmt: skip
+    log(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}"
+        + (f"; {mesh!r}" if mesh else ""))  # fmt: skip
+    for line in pre_log:
+        log(line)
+
+    val_history, trained, elapsed = [], 0, 0.0
+    for i in range(start + 1, args.steps + 1):
+        batch = next(loader)
+        if i == start + 1:
+            log(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
+            t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        if i == start + 1:
+            log(f"compiled and ran step {i} in {time.perf_counter() - t0:.1f}s")
+            if mesh:
+                rows = step.lower(state, batch).collectives()
+                log(
+                    f"sharding {mesh_axes}: collectives per step: "
+                    + ", ".join(f"{r.count} {r.kind} over {r.axis}" for r in rows)
+                )
+            if (peak := peak_flops(device)) is not None:
+                run.flops_per_step, run.peak = step.lower(state, batch).cost().flops, peak  # per device
+            t_train = time.perf_counter()
+        run.step(i, metrics)
+        if i == start + 1:
+            run.restart_clock()  # the compile is not training time
+        if manager is not None and (i % args.save_every == 0 or i == args.steps):
+            manager.save(i, {"train": state, "data": loader.state_dict()}, force=True)  # async: returns at once
+        maybe_kill(i, rank, world, manager)
         evaluating = i % args.eval_every == 0 or i == args.steps
         sampling = i % args.sample_every == 0 or i == args.steps
         if evaluating or sampling:
@@ -245,22 +299,32 @@ def main(argv=None) -> dict[str, float]:
         if evaluating:
             val_history.append((i, evaluate(model, full_params, data, args.batch_size)))
         if sampling and is_main:
-            text = sample(model, full_params, data, "def ", 160)
-            tqdm.write(f"\n--- sample at step {i} (val loss {val_history[-1][1]:.3f}) ---\n{text}\n")
-    elapsed = time.perf_counter() - t_train
-    bar.close()
+            log(
+                f"\n--- sample at step {i} (val loss {val_history[-1][1]:.3f}) ---\n{sample(model, full_params, data, 'def ', 160)}\n"
+            )
+        if evaluating or sampling:
+            run.restart_clock()
+        trained, elapsed = i - start, time.perf_counter() - t_train
+    run.flush()
     loader.close()
+    if manager is not None:
+        manager.close()  # the last save completes before the report
 
-    out = Path(args.out)
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        plot(history, val_history, data.unigram_entropy, out / "loss.png")
-    final_val = val_history[-1][1] if val_history else math.nan
-    tokens = (args.steps - 1) * args.batch_size * args.block_size
-    log(f"done: train loss {history[-1][1]:.3f}, validation loss {final_val:.3f} nats/char "
-          f"(unigram baseline {data.unigram_entropy:.3f}); {tokens / elapsed:,.0f} chars/s; "
-          f"loss curve in {out / 'loss.png'}")  # fmt: skip
-    return {"train_loss": history[-1][1], "val_loss": final_val, "unigram": data.unigram_entropy}
+    if not trained:
+        log(f"the checkpoint of step {start} is already the last step (--steps {args.steps}): nothing to train")
+        val_history.append((start, evaluate(model, gathered(state.params), data, args.batch_size)))
+    losses = {s: r["loss"] for s, r in read_metrics(metrics_file).items()} if is_main else {}
+    if is_main:  # the whole run's curve, including the steps of earlier attempts
+        plot(list(losses.items()), val_history, data.unigram_entropy, out / "loss.png")
+    train_loss = run.records[-1]["loss"] if run.records else losses.get(start, math.nan)
+    final_val = val_history[-1][1]
+    speed = f"; {(trained - 1) * args.batch_size * args.block_size / elapsed:,.0f} chars/s" if trained > 1 else ""
+    log(f"done: train loss {train_loss:.3f}, validation loss {final_val:.3f} nats/char "
+        f"(unigram baseline {data.unigram_entropy:.3f}){speed}; loss curve in {out / 'loss.png'}, "
+        f"metrics in {metrics_file}")  # fmt: skip
+    run.close()
+    return {"train_loss": train_loss, "val_loss": final_val, "unigram": data.unigram_entropy,
+            "start_step": start, "losses": losses}  # fmt: skip
 
 
 if __name__ == "__main__":
