@@ -106,7 +106,7 @@ def compile_step(
       >>> state = step.init(fsg.params(model))
       >>> state, metrics = step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 1)})
       >>> sorted(metrics)
-      ['grad_norm', 'loss', 'lr', 'skipped']
+      ['grad_norm', 'loss', 'lr']
     """
     options = dict(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,

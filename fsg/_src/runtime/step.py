@@ -250,7 +250,7 @@ class Step:
 
         Returns:
           ``(new_state, metrics)``; metrics are 0-d tensors on the state's device (no host
-          sync): ``loss``, ``grad_norm``, ``lr``, ``skipped`` and ``loss_scale``
+          sync): ``loss``, ``grad_norm``, ``lr``, ``skipped`` (when skipping) and ``loss_scale``
           (docs/resilience.md) and the aux outputs of ``loss_fn``.
         """
         if self._verify_pending:
