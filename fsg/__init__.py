@@ -21,6 +21,7 @@ from fsg._src.errors import NonFiniteError as NonFiniteError
 from fsg._src.errors import NonTensorLeafError as NonTensorLeafError
 from fsg._src.errors import RecompileError as RecompileError
 from fsg._src.errors import RecompileWarning as RecompileWarning
+from fsg._src.errors import ReplicaMismatchError as ReplicaMismatchError
 from fsg._src.errors import ShardingFallbackWarning as ShardingFallbackWarning
 from fsg._src.errors import ShardingRuleError as ShardingRuleError
 from fsg._src.errors import StructureMismatchError as StructureMismatchError
@@ -41,6 +42,7 @@ from fsg._src.runtime.lowered import Cost as Cost
 from fsg._src.runtime.lowered import Lowered as Lowered
 from fsg._src.runtime.memory import Memory as Memory
 from fsg._src.runtime.nonfinite import SkipNonFinite as SkipNonFinite
+from fsg._src.runtime.replicas import check_replicas as check_replicas
 from fsg._src.runtime.step import Step as Step
 from fsg._src.topology.description import Topology as Topology
 from fsg._src.topology.plan import plan as plan
@@ -61,6 +63,8 @@ __all__ = [
     "Policy",
     "ShardingFallbackWarning",
     "ShardingRuleError",
+    "ReplicaMismatchError",
+    "check_replicas",
     "DataError",
     "DynamicLossScale",
     "NonFiniteError",
