@@ -9,13 +9,12 @@ then drops, so the state is never written.
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, functional, graph_facts, tree
+from fsg._src import functional, graph_facts, tree
 from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError
 from fsg._src.precision import Policy
 from fsg._src.trace import markers, purity, random
@@ -112,15 +111,7 @@ def trace_eval(
     def violation() -> FsgError | None:
         return purity.diagnose(in_eval_mode(fn), state.params, batch, state.buffers)
 
-    try:
-        gm = _torch_private.trace_fake(
-            flat_eval, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions
-        )
-    except FsgError:
-        raise
-    except _torch_private.DATA_DEPENDENT_ERRORS as exc:
-        where = purity.user_frame(traceback.extract_tb(exc.__traceback__))
-        raise purity.host_sync_error(where, "data-dependent Python control flow") from exc
+    gm = purity.trace(flat_eval, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions)
     placeholders = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
     if purity.has_host_sync(gm) or purity.writes_to_inputs(gm, placeholders):
         raise violation() or ImpureLossError(

@@ -62,6 +62,16 @@ def user_frame_of_node(node: fx.Node) -> str:
     return found if frames else f"graph node {node.name}"
 
 
+def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositions: Any) -> fx.GraphModule:
+    """``fn`` traced on fake copies of ``inputs`` (stage 1's train and eval steps), a
+    data-dependent branch reported as a ``HostSyncError`` at the user's line."""
+    try:
+        return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
+    except _torch_private.DATA_DEPENDENT_ERRORS as exc:
+        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        raise host_sync_error(where, "data-dependent Python control flow") from exc
+
+
 def host_sync_error(where: str, what: str) -> HostSyncError:
     return HostSyncError(f"loss_fn needs the value of a tensor on the host ({what}) at {where}. {_SYNC_FIX}")
 

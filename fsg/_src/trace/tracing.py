@@ -9,13 +9,12 @@ returns only the metrics; without, it returns the new state leaves, then the met
 
 from __future__ import annotations
 
-import traceback
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, graph_facts, tree
+from fsg._src import graph_facts, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
@@ -269,14 +268,9 @@ def trace(
         return purity.diagnose(loss_fn, state.params, batch, state.buffers)
 
     try:
-        gm = _torch_private.trace_fake(
-            flat_step, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions
-        )
+        gm = purity.trace(flat_step, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions)
     except FsgError:
         raise
-    except _torch_private.DATA_DEPENDENT_ERRORS as exc:
-        where = purity.user_frame(traceback.extract_tb(exc.__traceback__))
-        raise purity.host_sync_error(where, "data-dependent Python control flow") from exc
     except RuntimeError as exc:
         if "in-place" in str(exc) or "inplace" in str(exc):
             found = violation()
