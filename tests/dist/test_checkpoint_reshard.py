@@ -42,3 +42,23 @@ def test_sharded_to_single_process(ranks, tmp_path):
     saved = ranks(2).run(workers.save_trained, path, {"dp": 2}, "fsdp")[0]
     restored, _ = workers.restore_onto(path, None, "fsdp")
     assert_same(saved, restored)
+
+
+def test_plain_tensor_on_two_ranks_is_saved_once(ranks, tmp_path):
+    import fsg
+
+    path = tmp_path / "c"
+    assert ranks(2).run(workers.save_plain, str(path), False) == [None, None]
+    meta = fsg.checkpoint.read_meta(path)
+    (entry,) = [e for e in meta["leaves"] if e["path"] == "state['x']"]
+    assert len(entry["pieces"]) == 1 and entry["pieces"][0]["file"] == "shard-00000.msgpack"
+    restored = fsg.checkpoint.restore(path, like={"x": torch.zeros(2, 3), "n": 0})  # one process
+    assert torch.equal(restored["x"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_plain_tensor_that_differs_between_ranks_is_refused(ranks, tmp_path):
+    path = tmp_path / "c"
+    errors = ranks(2).run(workers.save_plain, str(path), True)
+    for message in errors:  # raised on every rank, naming the leaf and the rank
+        assert "state['x']" in message and "ranks [1]" in message and "DTensor" in message
+    assert not path.exists() and not path.with_name("c.tmp").exists()

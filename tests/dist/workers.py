@@ -520,3 +520,21 @@ def check_closed_over_constant(axes: dict) -> None:
         loss_fn, fsg.params(model), [regression_batch(seed=i) for i in range(2)], fsg.testing.mesh(axes),
         optimizer=fsg.optim.sgd(0.1),
     )  # fmt: skip
+
+
+# --- plain tensors in a multi-rank checkpoint: saved once, as replicated values ----------
+
+
+def save_plain(path: str, differ: bool) -> str | None:
+    """Saves ``{"x": plain, "n": 3}`` on every rank (rank 1's ``x`` off by one if ``differ``);
+    returns the error message, or ``None`` after a save that restores here."""
+    import torch.distributed as dist
+
+    x = torch.arange(6.0).reshape(2, 3) + (dist.get_rank() if differ else 0)
+    try:
+        fsg.checkpoint.save(path, {"x": x, "n": 3})
+    except fsg.CheckpointError as exc:
+        return str(exc)
+    restored = fsg.checkpoint.restore(path, like={"x": torch.zeros(2, 3), "n": 0})
+    assert torch.equal(restored["x"], x) and restored["n"] == 3
+    return None

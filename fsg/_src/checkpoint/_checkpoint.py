@@ -70,18 +70,23 @@ def check_leaf(path: str, leaf: Any) -> None:
         )
 
 
-def local_items(state: Any) -> tuple[list[str], list[Any], list[tuple[int, _layout.Box, torch.Tensor]]]:
-    """Leaf paths, leaves, and the pieces this rank writes: ``(leaf index, box, tensor)``."""
+def local_items(state: Any, group=None) -> tuple[list[str], list[Any], list[tuple[int, _layout.Box, torch.Tensor]]]:
+    """Leaf paths, leaves, and the pieces this rank writes: ``(leaf index, box, tensor)``. A plain
+    tensor is replicated: equal on every rank of ``group`` (checked), written by rank 0."""
     leaves, _ = tree.flatten(state)
     paths = tree.leaf_paths(state, ROOT)
     for path, leaf in zip(paths, leaves):
         check_leaf(path, leaf)
+    rank, world = _rank_world(group)
+    _layout.check_plain_replicated(paths, leaves, world, group)
     items = []
     for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, DTensor):
             piece = _layout.local_piece(leaf)
             if piece.writer:
-                items.append((i, piece.box, leaf.to_local() if isinstance(leaf, DTensor) else leaf))
+                items.append((i, piece.box, leaf.to_local()))
+        elif isinstance(leaf, torch.Tensor) and rank == 0:
+            items.append((i, _layout.full_box(tuple(leaf.shape)), leaf))
     return paths, leaves, items
 
 
@@ -217,9 +222,12 @@ def _restore_leaf(entry: dict, like: torch.Tensor, reader: _io.PieceReader, wher
     target = _layout.local_piece(like).box if isinstance(like, DTensor) else _layout.full_box(tuple(like.shape))
     dtype = _io.DTYPES[entry["dtype"]]
     out = torch.empty([hi - lo for lo, hi in target], dtype=dtype)
-    filled = 0
+    filled, seen = 0, set()
     for piece in entry["pieces"]:
         box = tuple(tuple(b) for b in piece["box"])
+        if box in seen:  # older saves wrote a plain tensor once per rank: read one copy
+            continue
+        seen.add(box)
         region = _layout.intersect(box, target) if box else ()
         if region is None:
             continue  # this rank does not need that piece: its bytes are never read

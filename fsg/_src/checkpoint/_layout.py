@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import zlib
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsg._src.checkpoint import _io
+from fsg._src.errors import CheckpointError
 
 Box = tuple[tuple[int, int], ...]
 
@@ -54,3 +59,24 @@ def intersect(a: Box, b: Box) -> Box | None:
 def slices(region: Box, within: Box) -> tuple[slice, ...]:
     """Index of ``region`` inside a tensor that holds the box ``within``."""
     return tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(region, within))
+
+
+def check_plain_replicated(paths: list[str], leaves: list[Any], world: int, group=None) -> None:
+    """Raises ``CheckpointError`` on every rank if a plain (non-DTensor) tensor leaf differs
+    between ranks: a multi-rank save holds one copy of it, which would silently drop the
+    others. One ``all_gather_object`` of crc32s; nothing on one rank or without a plain tensor."""
+    plain = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)]
+    if world == 1 or not plain:
+        return
+    mine = [zlib.crc32(_io.host_bytes(leaves[i])) for i in plain]
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    for k, i in enumerate(plain):
+        values = [crcs[k] for crcs in every]
+        if len(set(values)) > 1:
+            differ = [r for r, v in enumerate(values) if v != values[0]]
+            raise CheckpointError(
+                f"{paths[i]} is a plain tensor that differs between ranks (rank 0 and ranks {differ} hold other "
+                f"values); a checkpoint saves a plain tensor once, as a replicated value. Make it equal on every "
+                f"rank, or make it a DTensor sharded over the ranks whose values differ."
+            )
