@@ -149,7 +149,9 @@ def test_copy_graph_module_copies_nodes_and_keeps_constants_and_meta():
     assert [n.name for n in copy.graph.nodes] == [n.name for n in gm.graph.nodes]
     assert all(a.meta.get("val") is b.meta.get("val") for a, b in zip(copy.graph.nodes, gm.graph.nodes))
     x = torch.randn(3)
-    assert torch.equal(copy(x)[0] if isinstance(copy(x), tuple) else copy(x), gm(x)[0] if isinstance(gm(x), tuple) else gm(x))
+    assert torch.equal(
+        copy(x)[0] if isinstance(copy(x), tuple) else copy(x), gm(x)[0] if isinstance(gm(x), tuple) else gm(x)
+    )
     next(n for n in copy.graph.nodes if n.op == "call_function").meta["touched"] = True
     assert not any(n.meta.get("touched") for n in gm.graph.nodes)
 
@@ -176,3 +178,38 @@ def test_dtensor_index_put_rule_is_positional_on_torch_2_11_only():
     release = tuple(int(part) for part in torch.__version__.split(".")[:2])
     if release in ((2, 11), (2, 13)):  # the releases fsg supports
         assert positional == (release == (2, 11))
+
+
+def test_trace_fake_runs_torchs_python_kernels_so_batch_norm_declares_its_writes():
+    # native_batch_norm's schema hides its writes to the running statistics; torch's Python
+    # kernel (run by the Python dispatcher, as AOTAutograd does) traces the honest op.
+    def fn(x, mean, var):
+        return torch.nn.functional.batch_norm(x, mean, var, training=True).sum()
+
+    gm = _torch_private.trace_fake(fn, torch.randn(4, 3), torch.zeros(3), torch.ones(3))
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten._native_batch_norm_legit.default in targets
+    assert torch.ops.aten.native_batch_norm.default not in targets
+    assert _torch_private.mutated_args(torch.ops.aten._native_batch_norm_legit.default) == {3, 4}
+
+
+def test_functionalize_leaves_one_copy_per_written_input_at_the_end():
+    def fn(x, buf):
+        y = x.clone()
+        y.relu_()
+        buf.add_(1.0)
+        buf.mul_(2.0)
+        return (y.sum() + buf.sum(),)
+
+    gm = _torch_private.trace_fake(fn, torch.randn(3), torch.zeros(3))
+    functional = _torch_private.functionalize(gm)
+    nodes = [n for n in functional.graph.nodes if n.op == "call_function"]
+    writers = [n for n in nodes if _torch_private.mutated_args(n.target)]
+    assert [w.target for w in writers] == [torch.ops.aten.copy_.default]
+    assert writers[0].args[0].op == "placeholder" and writers[0].args[0].name == "arg1_1"
+    assert nodes[-1] is writers[0]  # the epilogue: after every read
+    x, buf = torch.randn(3), torch.zeros(3)
+    expected = fn(x.clone(), buf.clone())[0]
+    got = functional(x, buf)[0]
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(buf, torch.full((3,), 2.0))

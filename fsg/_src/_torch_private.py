@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.tensor import DTensor
@@ -41,6 +42,7 @@ __all__ = [
     "dtensor_has_rule",
     "dtensor_index_put_rule_is_positional",
     "fake_mode",
+    "functionalize",
     "inductor_compile",
     "is_collective",
     "is_pure_op",
@@ -197,13 +199,36 @@ def trace_fake(
     Python stack in ``node.meta["stack_trace"]`` (for error messages that name the user's
     line); it costs about a fifth of the trace.
     """
-    return make_fx(
+    traced = make_fx(
         fn,
         decomposition_table={**(decompositions or {}), **fsg_decompositions.CORRECTIONS},
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=source_lines,
-    )(*args)
+    )
+    # torch's Python dispatcher runs the Python kernels torch registers above autograd, as
+    # AOTAutograd (torch.compile) does: native_batch_norm and cudnn_batch_norm, whose schemas
+    # hide their writes to the running statistics, become _native_batch_norm_legit, which
+    # declares them (Tensor(a!) running_mean), so functionalization sees every write.
+    with enable_python_dispatcher():
+        return traced(*args)
+
+
+def functionalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` traced again through torch's functionalization: every in-place op becomes its
+    out-of-place form and a write to an input becomes one ``copy_`` into it at the end (the
+    last value written), so the only writes left are that epilogue. Views stay views. Nodes
+    keep their ``stack_trace`` (``preserve_node_meta``). Runs on the placeholders' fake
+    values: nothing is computed."""
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(*args: Any) -> Any:
+        with fx.traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
+
+    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake", _allow_non_fake_inputs=True)(
+        *inputs
+    )
 
 
 def fake_mode() -> FakeTensorMode:

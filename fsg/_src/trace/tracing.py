@@ -14,12 +14,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import graph_facts, tree
+from fsg._src import tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import markers, purity, random, resilience
+from fsg._src.trace import epilogue, markers, purity, random, resilience
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
@@ -185,28 +185,6 @@ def train_step(
     return new_state, metrics
 
 
-def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
-    """With donation, a buffer the step never writes needs no copy: ``clone(x)`` then
-    ``copy_(x, clone)`` becomes ``x``. (``train_step`` hands the loss copies of the buffers,
-    since it cannot know before tracing which ones a module updates in place.)"""
-    written = set().union(*(graph_facts.writes(n) for n in gm.graph.nodes))  # storages, views followed
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
-            continue
-        dst, src = node.args[0], node.args[1]
-        kept = src  # skipping writes where(finite, clone(x), x): dropped only if nothing read the clone
-        if isinstance(src, fx.Node) and src.target is torch.ops.aten.where.self and src.args[2] is dst:
-            src = src.args[1] if len(src.args[1].users) == 1 else src  # (a schema may hide a write)
-        is_copy = isinstance(src, fx.Node) and src.target is torch.ops.aten.clone.default and src.args[0] is dst
-        if dst.op == "placeholder" and is_copy and not node.users and src not in written and (kept is src or len(kept.users) == 1):
-            gm.graph.erase_node(node)
-            if kept is not src:
-                gm.graph.erase_node(kept)
-            src.replace_all_uses_with(dst)
-            gm.graph.erase_node(src)
-    gm.recompile()
-
-
 def trace(
     loss_fn: LossFn,
     optimizer: GradientTransformation,
@@ -285,7 +263,6 @@ def trace(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
-    if donate:
-        _drop_unwritten_copies(gm)
+    gm = epilogue.functionalize(gm, donate=donate)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)
