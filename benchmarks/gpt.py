@@ -18,10 +18,19 @@ max_memory_reserved; JAX: peak_bytes_reserved where reported). MFU counts
 
 Implementations (--impl):
   eager     PyTorch modules, autocast, torch.optim.AdamW(fused=True)
-  compile   the same with torch.compile(model)
+  compile   torch.compile of (ids, targets) -> loss: the model and the loss (on float32
+            logits) in one compiled region, as nanoGPT and torchtitan do; autocast, fused AdamW.
+            The baseline.
+  compile-max   the same with mode="max-autotune-no-cudagraphs" (minutes of autotuning)
+  compile-opt   compile, plus the optimizer step under torch.compile (AdamW(foreach=True),
+            lr as a tensor so it never recompiles)
+  compile-model torch.compile(model) with the loss outside, in eager float32 (the weaker
+            baseline earlier rows of RESULTS.md were measured against)
   jax       jax.jit of value_and_grad + optax.adamw, donated state, layers under lax.scan
   fsg       fsg.compile_step with every default on: fused AdamW, CUDA-graph replay, and the
             loss through fsg.nn.linear_cross_entropy (the head fused with the loss)
+  fsg-autocast  fsg with Policy(compute=bf16, autocast=True): the loss traced under autocast,
+            the baseline's numerics op for op (benchmarks/convergence.py compares the curves)
   fsg-logits, fsg-nograph, fsg-nofuse   fsg with one thing turned off: the loss on full
             logits (fsg.nn.cross_entropy), no CUDA graph, or the traced optimizer
 """
@@ -77,9 +86,9 @@ def run_torch(impl: str, args) -> dict:
     n_params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     batches = _batches(4, cfg.vocab_size, args.batch, args.seq, dev)
 
-    if impl in ("eager", "compile"):
+    if impl in ("eager", "compile-model"):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
-        fwd = torch.compile(model) if impl == "compile" else model
+        fwd = torch.compile(model) if impl == "compile-model" else model
 
         def step(i):
             x, y = batches[i % len(batches)]
@@ -88,6 +97,32 @@ def run_torch(impl: str, args) -> dict:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+    elif impl.startswith("compile"):
+
+        def loss_of(x, y):
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                logits = model(x)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+
+        compiled = torch.compile(loss_of, mode="max-autotune-no-cudagraphs" if impl == "compile-max" else None)
+        if impl == "compile-opt":  # torch's recipe for a compiled optimizer: a tensor lr, foreach
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=torch.tensor(LR) if cuda else LR, betas=(B1, B2), eps=EPS, weight_decay=WD,
+                foreach=True, capturable=cuda,
+            )  # fmt: skip
+            opt_step = torch.compile(opt.step)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+            opt_step = opt.step
+
+        def step(i):
+            x, y = batches[i % len(batches)]
+            loss = compiled(x, y)
+            loss.backward()
+            opt_step()
             opt.zero_grad(set_to_none=True)
             return loss
 
@@ -102,7 +137,7 @@ def run_torch(impl: str, args) -> dict:
         fstep = fsg.compile_step(
             loss_fn,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16),
+            precision=fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast"),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,
         )
@@ -277,7 +312,7 @@ def child(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
-    parser.add_argument("--impl", default="eager,compile,jax,fsg")
+    parser.add_argument("--impl", default="compile,compile-opt,fsg,fsg-autocast")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)

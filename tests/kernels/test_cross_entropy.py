@@ -106,6 +106,24 @@ def test_leading_dims_and_upstream_gradient_scale():
     assert rel(h.grad, h2.grad) < 1e-5 and rel(w.grad, w2.grad) < 1e-5
 
 
+def test_under_autocast_the_projection_runs_in_autocasts_dtype():
+    # As F.linear under autocast: h and the weight are cast to autocast's dtype, the loss is
+    # float32, and the gradients flow back to the float32 leaves through the casts.
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (6,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fsg.nn.linear_cross_entropy(h, w, t, chunk_size=4)
+    loss.backward()
+    h16, w16 = h.detach().bfloat16().requires_grad_(), w.detach().bfloat16().requires_grad_()
+    ref = fsg.nn.linear_cross_entropy(h16, w16, t, chunk_size=4)
+    ref.backward()
+    assert loss.dtype == torch.float32 and torch.equal(loss, ref)
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert torch.equal(h.grad, h16.grad.float()) and torch.equal(w.grad, w16.grad.float())
+
+
 def test_no_grad_computes_the_loss_only():
     h, w, t = torch.randn(5, 4), torch.randn(7, 4), torch.randint(0, 7, (5,))
     with torch.no_grad():

@@ -125,7 +125,9 @@ def linear_cross_entropy(
     gradients (a train step always needs them); without autograd it computes the loss only.
 
     Args:
-      h: ``[..., D]`` hidden states (e.g. bfloat16); the logits are computed in this dtype.
+      h: ``[..., D]`` hidden states (e.g. bfloat16); the logits are computed in this dtype, or
+        under ``torch.autocast`` in autocast's dtype, as ``F.linear`` would be (the loss is
+        float32 either way).
       weight: ``[V, D]`` output projection (the tied embedding in a GPT).
       targets: ``[...]`` class indices.
       ignore_index, z_loss: as in ``cross_entropy``.
@@ -143,6 +145,10 @@ def linear_cross_entropy(
     _check("linear_cross_entropy", (*h.shape[:-1], weight.shape[0]), targets)
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
         raise ValueError(f"linear_cross_entropy: weight must have shape [V, {h.shape[-1]}], got {tuple(weight.shape)}")
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):  # the projection is a matmul: autocast's dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight = h.to(dtype), weight.to(dtype)
     h_ND, targets_N = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     chunk = chunk_size or default_chunk(weight.shape[0], h.element_size())

@@ -1,0 +1,213 @@
+"""Convergence: fsg's loss curve beside the strongest torch.compile baseline, same init and batches.
+
+    python benchmarks/convergence.py                         # GPT-2 124M, 300 steps, 2 runs each
+    python benchmarks/convergence.py --impl compile,fsg-autocast --steps 300 --runs 2
+    python benchmarks/convergence.py --model tiny --device cpu --steps 20   # a smoke run on CPU
+
+GPT-2 124M (examples/gpt.py: vocab 50304, 1024 positions, tied head) trained on real text: the
+bytes of Python's standard library sources (every machine has them), batch 16 x 1024 tokens
+drawn at fixed random offsets (the same batches for every run), float32 params and AdamW state
+(betas 0.9/0.95, weight decay 0.1, eps 1e-8), learning rate ``fsg.optim.warmup_cosine(6e-4,
+warmup=30, total=steps, end_value=6e-5)`` on both sides (the baseline calls the same schedule).
+
+Implementations (--impl), each in its own process; within it, --runs runs from the same
+initial weights (the compiled step is reused, so the runs differ only by the kernels' own
+non-determinism, e.g. atomic adds in reductions):
+  compile        torch.compile of (ids, targets) -> loss: model and loss in one compiled
+                 region, autocast bf16, the loss on float32 logits, torch.optim.AdamW(fused=True)
+  fsg-autocast   fsg.compile_step, Policy(compute=bf16, autocast=True): the loss traced under
+                 autocast (what the baseline computes, op for op), fused head + loss
+  fsg            fsg.compile_step, Policy(compute=bf16): every parameter cast to bf16 where read
+
+Reported: the mean loss of the last 25 steps of each run; the mean absolute difference between
+two curves' 25-step moving averages (steps 25 to the end) for each pair of runs: a baseline
+pair gives the baseline's own run-to-run spread, and fsg counts as converging alike when its
+distance to the baseline is within that spread; the median step time over the steps after the
+10th (each step's loss is kept on the device and read at the end), and the peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 64)}
+B1, B2, WD, EPS = 0.9, 0.95, 0.1, 1e-8
+WINDOW = 25
+
+
+def stdlib_bytes(limit: int) -> bytes:
+    """Up to ``limit`` bytes of the standard library's .py sources, in a fixed order."""
+    out, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "site-packages" in path.parts:
+            continue
+        data = path.read_bytes()
+        out.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    return b"".join(out)[:limit]
+
+
+def batches(steps: int, batch: int, seq: int, device: str):
+    import torch
+
+    tokens = torch.frombuffer(bytearray(stdlib_bytes(64 << 20)), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(tokens) - seq - 1, (steps, batch), generator=g)
+    windows = tokens[starts[..., None] + torch.arange(seq + 1)]  # [steps, B, T + 1]
+    return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
+
+
+def run(impl: str, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT))
+    import fsg
+    from examples.gpt import GPT, GPTConfig
+
+    layers, heads, dim = MODELS[args.model]
+    dev = args.device
+    cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dev)
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(args.steps, args.batch, args.seq, dev)
+    schedule = fsg.optim.warmup_cosine(args.lr, warmup=30, total=args.steps, end_value=args.lr / 10)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    if impl == "compile":
+
+        def loss_of(x, y):
+            with torch.autocast(dev, dtype=torch.bfloat16):
+                logits = model(x)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+
+        compiled = torch.compile(loss_of)
+
+        def start():
+            model.load_state_dict(init)  # in place: the compiled graph is kept
+            opt = torch.optim.AdamW(
+                model.parameters(), lr=args.lr, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=dev == "cuda"
+            )
+
+            def step(i, x, y):
+                for group in opt.param_groups:
+                    group["lr"] = float(schedule(torch.tensor(i)))
+                loss = compiled(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss.detach().clone()
+
+            return step
+
+    else:
+        policy = fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast")
+        train = fsg.compile_step(
+            lambda params, b: fsg.apply(model, params, b["x"], b["y"]),
+            optimizer=fsg.optim.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+            precision=policy,
+        )
+
+        def start():
+            model.load_state_dict(init)
+            holder = [train.init(fsg.params(model))]
+
+            def step(i, x, y):
+                holder[0], metrics = train(holder[0], {"x": x, "y": y})
+                return metrics["loss"].clone()  # replay reuses the graph's output buffers
+
+            return step
+
+    runs, times = [], []
+    for _ in range(args.runs):
+        step = start()
+        losses, stamps = [], []
+        for i, (x, y) in enumerate(data):
+            losses.append(step(i, x, y))
+            if i >= 10:
+                sync()
+                stamps.append(time.perf_counter())
+        runs.append([float(v) for v in torch.stack(losses).cpu()])
+        times.extend(b - a for a, b in zip(stamps, stamps[1:]))
+    times.sort()
+    return {
+        "losses": runs,
+        "ms": times[len(times) // 2] * 1e3 if times else float("nan"),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan"),
+    }
+
+
+def moving(curve: list[float]) -> list[float]:
+    return [sum(curve[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(curve) + 1)]
+
+
+def distance(a: list[float], b: list[float]) -> float:
+    ma, mb = moving(a), moving(b)
+    return sum(abs(x - y) for x, y in zip(ma, mb)) / max(len(ma), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="124m", choices=sorted(MODELS))
+    parser.add_argument("--impl", default="compile,fsg-autocast,fsg")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--json", help="write every run's losses here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(run(args.child, args)), flush=True)
+        return
+    import torch
+
+    results = {}
+    for impl in args.impl.split(","):
+        print(f"[convergence] {impl}: {args.runs} runs of {args.steps} steps ...", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", impl, *sys.argv[1:]], capture_output=True, text=True, cwd=ROOT
+        )
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", flush=True)
+            continue
+        results[impl] = json.loads(lines[-1][len("RESULT ") :])
+        print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}))
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, {gpu}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
+    print("| implementation | run | mean loss, last 25 steps | step (ms, median) | peak (GiB) |")
+    print("|---|---|---|---|---|")
+    for impl, r in results.items():
+        for k, curve in enumerate(r["losses"]):
+            tail = sum(curve[-WINDOW:]) / min(WINDOW, len(curve))
+            print(f"| {impl} | {k + 1} | {tail:.4f} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+    print("\nMean |difference| of 25-step moving averages (steps 25..end):\n")
+    print("| curve A | curve B | distance |")
+    print("|---|---|---|")
+    named = [(f"{impl} #{k + 1}", c) for impl, r in results.items() for k, c in enumerate(r["losses"])]
+    for i, (na, a) in enumerate(named):
+        for nb, b in named[i + 1 :]:
+            print(f"| {na} | {nb} | {distance(a, b):.4f} |")
+
+
+if __name__ == "__main__":
+    main()
