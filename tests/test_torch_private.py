@@ -180,9 +180,11 @@ def test_dtensor_index_put_rule_is_positional_on_torch_2_11_only():
         assert positional == (release == (2, 11))
 
 
-def test_trace_fake_runs_torchs_python_kernels_so_batch_norm_declares_its_writes():
-    # native_batch_norm's schema hides its writes to the running statistics; torch's Python
-    # kernel (run by the Python dispatcher, as AOTAutograd does) traces the honest op.
+def test_trace_fake_traces_batch_norm_as_the_op_that_declares_its_writes():
+    # native_batch_norm's schema hides its writes to the running statistics
+    # (fsg/_src/decompositions.py DECLARED_WRITES traces the op whose schema declares them).
+    assert not _torch_private.mutated_args(torch.ops.aten.native_batch_norm.default)
+
     def fn(x, mean, var):
         return torch.nn.functional.batch_norm(x, mean, var, training=True).sum()
 

@@ -14,7 +14,6 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch._decomp import core_aten_decompositions, decomposition_table
-from torch._dispatch.python import enable_python_dispatcher
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.distributed.tensor import DTensor
@@ -191,27 +190,22 @@ def trace_fake(
     """Traces ``fn(*args)`` to an aten FX graph on fake tensors.
 
     ``decompositions`` maps ops to Python functions run in their place while tracing (the
-    graph records what they call); fsg's corrections of torch's decompositions
-    (``fsg/_src/decompositions.py``) always apply.
+    graph records what they call); fsg's corrections of torch's decompositions and its
+    rewrites of ops whose schemas hide writes (``fsg/_src/decompositions.py``) always apply.
 
     Real tensors that ``fn`` closes over (a module's own buffers, say) are allowed and become
     constants of the graph (``_allow_non_fake_inputs``). ``source_lines`` records each node's
     Python stack in ``node.meta["stack_trace"]`` (for error messages that name the user's
     line); it costs about a fifth of the trace.
     """
-    traced = make_fx(
+    table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
+    return make_fx(
         fn,
-        decomposition_table={**(decompositions or {}), **fsg_decompositions.CORRECTIONS},
+        decomposition_table=table,
         tracing_mode="fake",
         _allow_non_fake_inputs=True,
         record_stack_traces=source_lines,
-    )
-    # torch's Python dispatcher runs the Python kernels torch registers above autograd, as
-    # AOTAutograd (torch.compile) does: native_batch_norm and cudnn_batch_norm, whose schemas
-    # hide their writes to the running statistics, become _native_batch_norm_legit, which
-    # declares them (Tensor(a!) running_mean), so functionalization sees every write.
-    with enable_python_dispatcher():
-        return traced(*args)
+    )(*args)
 
 
 def functionalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -1,10 +1,19 @@
-"""Decompositions fsg traces with everywhere: corrections of torch's own.
+"""Decompositions fsg traces with everywhere: corrections of torch's own, and ops made to
+declare their writes.
 
 torch's decomposition tables are used by ``torch.compile`` (AOTAutograd, Inductor) and by
 stage 1 on a mesh. Where one of them computes something other than its op, a compiled step
 would train silently wrong; fsg traces the op with a correct decomposition instead, so
 neither stage 2 nor Inductor ever sees it. Each entry names the torch issue and is tested
 against the eager op (``tests/test_decompositions.py``).
+
+``native_batch_norm`` and ``cudnn_batch_norm`` write the running statistics in place, but
+their schemas do not say so (``Tensor? running_mean``, not ``Tensor(a!)?``), so neither the
+graph facts nor torch's functionalization would see the write. ``DECLARED_WRITES`` traces them
+as ``_native_batch_norm_legit`` (and its variants), the same computation with the writes in
+its schema, which is what torch's own Python kernel does for AOTAutograd (see
+``native_batch_norm_decomposition`` in ``torch/_decomp/decompositions.py``, whose comment calls
+the old schema a TODO). The backward is ``native_batch_norm_backward`` on either device.
 """
 
 from __future__ import annotations
@@ -42,4 +51,40 @@ def multilabel_margin_loss_forward(x: torch.Tensor, target: torch.Tensor, reduct
 
 CORRECTIONS: dict[Any, Callable[..., Any]] = {
     _aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
+}
+
+
+def native_batch_norm(x, weight, bias, running_mean, running_var, training: bool, momentum: float, eps: float):
+    """``native_batch_norm`` as the op that declares its writes to the running statistics."""
+    if running_mean is None and running_var is None:
+        return _aten._native_batch_norm_legit.no_stats(x, weight, bias, training, momentum, eps)
+    if training:
+        return _aten._native_batch_norm_legit.default(
+            x, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+    return _aten._native_batch_norm_legit_no_training.default(x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def cudnn_batch_norm(x, weight, bias, running_mean, running_var, training: bool, momentum: float, eps: float):
+    """``cudnn_batch_norm`` (what ``F.batch_norm`` picks on CUDA) as ``native_batch_norm``, with
+    the empty reserve its backward (below) ignores."""
+    out, mean, invstd = native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
+    reserve = x.new_zeros((0,), dtype=torch.uint8)
+    if training:
+        return out, mean, invstd, reserve
+    return out, weight.new_zeros((0,)), weight.new_zeros((0,)), reserve
+
+
+def cudnn_batch_norm_backward(x, grad, weight, running_mean, running_var, save_mean, save_invstd, eps: float, reserve):
+    """The backward of ``cudnn_batch_norm`` above: ``native_batch_norm_backward`` on the saved
+    mean and inverse standard deviation (as torch's decomposition of it)."""
+    return _aten.native_batch_norm_backward.default(
+        grad, x, weight, running_mean, running_var, save_mean, save_invstd, True, eps, [True, True, True]
+    )
+
+
+DECLARED_WRITES: dict[Any, Callable[..., Any]] = {
+    _aten.native_batch_norm.default: native_batch_norm,
+    _aten.cudnn_batch_norm.default: cudnn_batch_norm,
+    _aten.cudnn_batch_norm_backward.default: cudnn_batch_norm_backward,
 }
