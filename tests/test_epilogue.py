@@ -2,8 +2,6 @@
 ``copy_`` into each written state input at the end, nothing read after it; a loss or module
 that works in place is functionalized by torch and still computes what eager PyTorch does."""
 
-import copy
-
 import pytest
 import torch
 from torch import fx, nn
@@ -13,6 +11,7 @@ from fsg._src import _torch_private
 from fsg._src.errors import PassInvariantError
 from fsg._src.trace import epilogue
 from tests.helpers import mlp, mse_loss_fn, regression_batch
+from tests.test_buffers import _batches, _eager, _loss
 
 
 class InPlaceNet(nn.Module):
@@ -35,31 +34,6 @@ class InPlaceNet(nn.Module):
 
 def _bn_model():
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-
-
-def _loss(model):
-    def loss_fn(params, batch, buffers):
-        return ((fsg.apply(model, params, batch["x"], buffers=buffers) - batch["y"]) ** 2).mean()
-
-    return loss_fn
-
-
-def _batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(16, 4, generator=g), "y": torch.randn(16, 1, generator=g)} for _ in range(n)]
-
-
-def _eager(model, batches):
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for b in batches:
-        opt.zero_grad()
-        loss = ((model(b["x"]) - b["y"]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, dict(model.named_buffers())
 
 
 @pytest.mark.parametrize("make", [InPlaceNet, _bn_model], ids=["in-place", "batchnorm"])
@@ -87,9 +61,9 @@ def test_in_place_modules_trace_to_an_epilogue_and_equal_eager(make, donate, ski
         state, metrics = step(state, b)
         losses.append(metrics["loss"].item())
     if accum_steps == 1:  # eager PyTorch runs the whole batch at once
-        expected, buffers = _eager(model, batches)
+        eager, expected = _eager(model, batches)
         assert losses == pytest.approx(expected, rel=1e-5)
-        for name, value in buffers.items():
+        for name, value in eager.named_buffers():
             torch.testing.assert_close(state.buffers[name], value, rtol=1e-5, atol=1e-6)
 
 
