@@ -50,3 +50,44 @@ def test_a_compiled_step_with_multilabel_margin_loss_trains_as_eager(backend):
     loss.backward()
     torch.testing.assert_close(metrics["loss"], loss.detach())
     torch.testing.assert_close(state.params["w"], (ref - 0.5 * ref.grad).detach())
+
+
+@st.composite
+def batch_norm_cases(draw):
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    shape = (draw(st.integers(2, 5)), draw(st.integers(1, 4)), *([draw(st.integers(1, 3))] * draw(st.integers(0, 2))))
+    channels = shape[1]
+    stats = draw(st.booleans())
+    return {
+        "x": torch.randn(shape, generator=gen, dtype=torch.float64),
+        "weight": torch.randn(channels, generator=gen, dtype=torch.float64) if draw(st.booleans()) else None,
+        "bias": torch.randn(channels, generator=gen, dtype=torch.float64) if draw(st.booleans()) else None,
+        "mean": torch.randn(channels, generator=gen, dtype=torch.float64) if stats else None,
+        "var": torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5 if stats else None,
+        "training": draw(st.booleans()) or not stats,  # eval needs running statistics
+        "momentum": draw(st.sampled_from([0.1, 0.5])),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch_norm_cases())
+def test_declared_write_batch_norm_equals_the_eager_op_and_its_writes(case):
+    # native_batch_norm traced as _native_batch_norm_legit (DECLARED_WRITES): the same outputs
+    # and the same in-place update of the running statistics, for every variant it maps to.
+    def run(fn):
+        mean = None if case["mean"] is None else case["mean"].clone()
+        var = None if case["var"] is None else case["var"].clone()
+        out = fn(case["x"], case["weight"], case["bias"], mean, var, case["training"], case["momentum"], 1e-5)
+        return out, mean, var
+
+    (out, mean, var), (ref, ref_mean, ref_var) = (
+        run(decompositions.native_batch_norm),
+        run(torch.ops.aten.native_batch_norm.default),
+    )
+    torch.testing.assert_close(out[0], ref[0])
+    if case["training"]:  # the saved statistics (eval returns empty ones of either shape)
+        torch.testing.assert_close(out[1], ref[1])
+        torch.testing.assert_close(out[2], ref[2])
+    for got, expected in ((mean, ref_mean), (var, ref_var)):
+        if expected is not None:
+            torch.testing.assert_close(got, expected)
