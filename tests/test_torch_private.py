@@ -215,3 +215,13 @@ def test_functionalize_leaves_one_copy_per_written_input_at_the_end():
     got = functional(x, buf)[0]
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(buf, torch.full((3,), 2.0))
+
+
+def test_return_names_are_the_schemas():
+    # backend/inductor.py finds the attention kernels' RNG state by these names.
+    assert _torch_private.return_names(torch.ops.aten._scaled_dot_product_efficient_attention.default) == (
+        "output", "log_sumexp", "philox_seed", "philox_offset")  # fmt: skip
+    assert _torch_private.return_names(torch.ops.aten._scaled_dot_product_flash_attention.default)[6:8] == (
+        "rng_state", "unused")  # fmt: skip
+    assert _torch_private.return_names(torch.ops.aten.add.Tensor) == ("",)
+    assert _torch_private.return_names(len) == ()

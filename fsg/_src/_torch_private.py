@@ -47,6 +47,7 @@ __all__ = [
     "is_pure_op",
     "mutated_args",
     "register_sharding",
+    "return_names",
     "trace_fake",
 ]
 
@@ -141,6 +142,15 @@ def arg_names(target: Any) -> tuple[str, ...]:
     if not isinstance(target, OpOverload):
         return ()
     return tuple(a.name for a in target._schema.arguments)
+
+
+@functools.cache
+def return_names(target: Any) -> tuple[str, ...]:
+    """The names of an op's schema returns, in order (``""`` for an unnamed one; ``()`` for a
+    target that is not an ``OpOverload``)."""
+    if not isinstance(target, OpOverload):
+        return ()
+    return tuple(r.name or "" for r in target._schema.returns)
 
 
 @functools.cache

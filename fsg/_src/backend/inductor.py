@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any, Callable
 
@@ -38,6 +39,46 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Callable[..., tuple]:
     return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
 
+# The outputs through which torch's CUDA attention kernels return their RNG state.
+RNG_STATE_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
+
+
+def rng_state_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` that take an RNG-state output of an op (``getitem(attention, i)``)."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+            continue
+        names, index = _torch_private.return_names(node.args[0].target), node.args[1]
+        if isinstance(index, int) and index < len(names) and names[index] in RNG_STATE_RETURNS:
+            found.append(node)
+    return found
+
+
+def keep_rng_state_alive(gm: fx.GraphModule) -> int | None:
+    """Returns the RNG-state outputs of attention ops from ``gm`` (rewritten in place) after
+    its own outputs; the number of its own outputs, or ``None`` when it has no such op.
+
+    A torch bug (seen with torch 2.11 on the H200): the CUDA attention kernels return their
+    RNG state as CPU tensors (the efficient kernel did; benchmarks/RESULTS.md lists which),
+    while the meta functions Inductor plans buffers with put it on the GPU (2.13's are alike). Once the backward has read it, Inductor may reuse that buffer for a 0-d
+    GPU result of the same dtype, and the kernel writing the result is launched with a CPU
+    pointer: ``CUDA driver error: invalid argument`` (``Pointer argument cannot be accessed
+    from Triton`` without the static launcher). The skipping step's int64 counters were such
+    results (docs/resilience.md). A graph output is never freed, so its buffer is never reused.
+    """
+    extra = rng_state_nodes(gm)
+    if not extra:
+        return None
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    own = tuple(out.args[0]) if isinstance(out.args[0], (tuple, list)) else None
+    if own is None:
+        raise TypeError(f"the step graph returns {type(out.args[0]).__name__}, not a flat tuple of outputs")
+    out.args = (own + tuple(extra),)
+    gm.recompile()
+    return len(own)
+
+
 class InductorStep:
     """The step graph compiled by Inductor on its first call.
 
@@ -49,6 +90,9 @@ class InductorStep:
     """
 
     def __init__(self, gm: fx.GraphModule):
+        if rng_state_nodes(gm):
+            gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
+        self._num_outputs = keep_rng_state_alive(gm)
         self._gm = gm
         # A step with collectives keeps its node order: the overlap pass placed each gradient
         # collective right after its last input, and Inductor's peak-memory reordering moved
@@ -61,11 +105,14 @@ class InductorStep:
     def __call__(self, *inputs: torch.Tensor) -> Any:
         key = tuple(t.stride() for t in inputs)
         if self._last is not None and self._last[0] == key:
-            return self._last[1](*inputs)
+            return self._own(self._last[1](*inputs))
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
             fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
             log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
         self._last = (key, fn)
-        return fn(*inputs)
+        return self._own(fn(*inputs))
+
+    def _own(self, outputs: Any) -> Any:
+        return outputs if self._num_outputs is None else outputs[: self._num_outputs]

@@ -62,7 +62,7 @@ def _grouping(value, keys: list, field: str, what: str) -> dict | None:
     return {k: f"{what}{i // count}" for i, k in enumerate(keys)}
 
 
-def from_hostnames(cls, hostnames, racks, pods, links):
+def from_hostnames(cls, hostnames, racks, pods, links, nvlink=None):
     if isinstance(hostnames, str) or not isinstance(hostnames, Sequence) or not hostnames:
         raise TopologyError(f"hostnames is {hostnames!r:.60}; give a non-empty list, one hostname per rank")
     for rank, host in enumerate(hostnames):
@@ -73,10 +73,14 @@ def from_hostnames(cls, hostnames, racks, pods, links):
     pod_of = _grouping(pods, list(dict.fromkeys(rack_of.values())), "pods", "pod") if rack_of and pods else None
     if pods is not None and rack_of is None:
         raise TopologyError("pods is given without racks; pods are made of racks: give both")
-    names = ["node"] + (["rack"] if rack_of else []) + (["pod"] if pod_of else []) + ["cluster"]
+    if nvlink is not None and (isinstance(nvlink, str) or len(nvlink) != len(hostnames)):
+        raise TopologyError(f"nvlink gives {len(nvlink)} labels for {len(hostnames)} ranks; give one per rank")
+    split = nvlink is not None and len(set(zip(hostnames, nvlink))) > len(hosts)  # some node has 2+ domains
+    names = (["nvlink"] if split else []) + ["node"] + (["rack"] if rack_of else []) + (["pod"] if pod_of else [])
+    names.append("cluster")
     locations = []
-    for host in hostnames:
-        loc = [host]
+    for rank, host in enumerate(hostnames):
+        loc = ([f"{host}/{nvlink[rank]}"] if split else []) + [host]
         if rack_of:
             loc.append(rack_of[host])
             if pod_of:

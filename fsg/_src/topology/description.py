@@ -162,7 +162,8 @@ class Topology:
     @classmethod
     def from_hostnames(cls, hostnames: Sequence[str], *, racks: Mapping[str, object] | int | None = None,
                        pods: Mapping[object, object] | int | None = None,
-                       links: Mapping[str, object] | None = None) -> Topology:  # fmt: skip
+                       links: Mapping[str, object] | None = None,
+                       nvlink: Sequence[object] | None = None) -> Topology:  # fmt: skip
         """A topology from each rank's hostname (ranks of one host form a node).
 
         Args:
@@ -170,6 +171,8 @@ class Topology:
           racks: ``{hostname: rack}``, or a number of nodes per rack (hosts in order of first
             appearance); default: no rack level.
           pods: ``{rack: pod}`` or a number of racks per pod; default: no pod level.
+          nvlink: per rank, a label of its NVLink domain inside its host; when some host has
+            more than one, the topology gets an ``"nvlink"`` level. Default: none.
 
         Example:
           >>> Topology.from_hostnames(["a", "a", "b", "b"], racks=1)
@@ -177,7 +180,7 @@ class Topology:
         """
         from fsg._src.topology import builders
 
-        return builders.from_hostnames(cls, hostnames, racks, pods, links)
+        return builders.from_hostnames(cls, hostnames, racks, pods, links, nvlink)
 
     @classmethod
     def from_dict(cls, description: Mapping[str, object]) -> Topology:
@@ -195,19 +198,24 @@ class Topology:
         return builders.load(cls, path, gpus_per_node)
 
     @classmethod
-    def from_job(cls, *, hostname: str | None = None, rack: object = None,
+    def from_job(cls, *, hostname: str | None = None, rack: object = None, nvlink: object = None,
                  links: Mapping[str, object] | None = None) -> Topology:  # fmt: skip
-        """The running job's topology: every rank's hostname (and rack, when given) gathered with
-        ``all_gather_object``. Call after ``fsg.distributed.initialize()``; every rank must call it.
+        """The running job's topology: every rank's hostname, rack (when given) and NVLink
+        domain gathered with ``all_gather_object``. Call after ``fsg.distributed.initialize()``;
+        every rank must call it.
 
         Args:
           hostname: this rank's node name; default ``$FSG_HOSTNAME``, else ``socket.gethostname()``
             (set it to simulate several nodes on one machine).
           rack: this rank's rack label; default ``$FSG_RACK`` when set, else no rack level.
+          nvlink: this rank's NVLink domain inside its node; default ``$FSG_NVLINK`` when set,
+            else discovered from NVML on CUDA (GPUs of a node on one NVSwitch, or joined by
+            direct links, share a domain); without NVML nothing is known below the node. An
+            ``"nvlink"`` level appears only when some node holds two or more domains.
         """
         from fsg._src.topology import gather
 
-        return gather.from_job(cls, hostname=hostname, rack=rack, links=links)
+        return gather.from_job(cls, hostname=hostname, rack=rack, nvlink=nvlink, links=links)
 
 
 __all__ = ["LEVEL_NAMES", "Link", "Topology"]
