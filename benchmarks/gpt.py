@@ -33,6 +33,9 @@ Implementations (--impl):
             the baseline's numerics op for op (benchmarks/convergence.py compares the curves)
   fsg-logits, fsg-nograph, fsg-nofuse   fsg with one thing turned off: the loss on full
             logits (fsg.nn.cross_entropy), no CUDA graph, or the traced optimizer
+  fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
+  fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
+            tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
 """
 
 from __future__ import annotations
@@ -137,9 +140,14 @@ def run_torch(impl: str, args) -> dict:
         fstep = fsg.compile_step(
             loss_fn,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast"),
+            precision=fsg.Policy(
+                compute=torch.bfloat16,
+                autocast=impl == "fsg-autocast",
+                matmul=fsg.Float8() if impl == "fsg-fp8" else None,
+            ),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,
+            skip_nonfinite=impl == "fsg-skip",
         )
         state = fstep.init(fsg.params(model))
         for p in model.parameters():  # the module is only a template now: drop its own copy

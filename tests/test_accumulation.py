@@ -1,6 +1,7 @@
 """compile_step(..., accum_steps=k): the mean over k microbatches, in one graph."""
 
 import pytest
+import torch
 
 import fsg
 from tests.helpers import mlp, mse_loss_fn, regression_batch, rel_err
@@ -42,3 +43,18 @@ def test_a_batch_that_does_not_split_names_the_leaf():
     step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.sgd(0.1), accum_steps=3, backend="aot_eager")
     with pytest.raises(fsg.BatchError, match=r"batch\['x'\] has 16 rows, which accum_steps=3 cannot split"):
         step(step.init(fsg.params(model)), regression_batch(n=16))
+
+
+def test_a_0d_batch_leaf_is_a_batch_leaf_without_accumulation_and_an_error_with_it():
+    model = mlp()
+
+    def loss_fn(params, batch):
+        return mse_loss_fn(model)(params, batch) * batch["w"]
+
+    batch = {**regression_batch(n=16), "w": torch.tensor(2.0)}
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
+    _, metrics = step(step.init(fsg.params(model)), batch)
+    assert torch.allclose(metrics["loss"], 2 * mse_loss_fn(model)(fsg.params(model), regression_batch(n=16)))
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), accum_steps=2, backend="aot_eager")
+    with pytest.raises(fsg.BatchError, match=r"batch\['w'\] has a 0-d tensor, which accum_steps=2 cannot split"):
+        step(step.init(fsg.params(model)), batch)

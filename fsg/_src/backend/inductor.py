@@ -59,9 +59,10 @@ def keep_rng_state_alive(gm: fx.GraphModule) -> int | None:
     """Returns the RNG-state outputs of attention ops from ``gm`` (rewritten in place) after
     its own outputs; the number of its own outputs, or ``None`` when it has no such op.
 
-    A torch bug (seen with torch 2.11 on the H200): the CUDA attention kernels return their
-    RNG state as CPU tensors (the efficient kernel did; benchmarks/RESULTS.md lists which),
-    while the meta functions Inductor plans buffers with put it on the GPU (2.13's are alike). Once the backward has read it, Inductor may reuse that buffer for a 0-d
+    A torch bug (seen with torch 2.11 on the H200): ``_scaled_dot_product_efficient_attention``
+    returns its RNG state as CPU tensors, while the meta function Inductor plans buffers with
+    puts it on the GPU (2.13's is alike). The flash and cuDNN kernels returned theirs on the GPU;
+    they are kept too, which costs nothing (a few bytes). Once the backward has read it, Inductor may reuse that buffer for a 0-d
     GPU result of the same dtype, and the kernel writing the result is launched with a CPU
     pointer: ``CUDA driver error: invalid argument`` (``Pointer argument cannot be accessed
     from Triton`` without the static launcher). The skipping step's int64 counters were such

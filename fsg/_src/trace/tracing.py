@@ -81,6 +81,8 @@ def check_accumulation(batch: Any, accum_steps: int) -> None:
     """Raises ``BatchError`` naming a batch leaf whose dim 0 ``accum_steps`` does not divide."""
     if accum_steps < 1:
         raise BatchError(f"accum_steps must be at least 1, got {accum_steps}")
+    if accum_steps == 1:  # nothing is split: any leaf will do, a 0-d one (a loss weight, say) too
+        return
     leaves, _ = tree.flatten(batch)
     for path, leaf in zip(tree.leaf_paths(batch, "batch"), leaves):
         if leaf.dim() == 0 or leaf.shape[0] % accum_steps:
