@@ -7,15 +7,18 @@ Both read the same memory-mapped llm.c token file (GPT-2 sized ids, generated), 
 ``[B, T + 1]`` int64 blocks of random windows on ``--device``, and are timed over ``--batches``
 batches after a warm-up, with a device sync at the end. The DataLoader baseline is the setup a
 competent user writes: a map-style dataset of windows, a shuffling sampler, ``batch_size=B``,
-``--workers`` worker processes, ``pin_memory`` on CUDA and ``non_blocking`` copies. A third row
-times the loader while the "step" is busy (a matmul loop on the device), to show the batch is
-ready when asked. Writes a markdown table to stdout (and to ``--out`` when given).
+``--workers`` worker processes, ``pin_memory`` on CUDA and ``non_blocking`` copies. The loader
+is timed with each of ``--loader-workers`` background threads (0: built in the caller's thread;
+``prefetch`` is raised to the worker count where it is lower). The last rows time the loader
+while the "step" is busy (a matmul loop on the device), to show the batch is ready when asked.
+Writes a markdown table to stdout (and to ``--out`` when given).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -82,11 +85,14 @@ def dataloader_batches(path: str, args, device: torch.device):
 def busy_step(device: torch.device, ms: float):
     """A stand-in train step: device work of about ``ms`` milliseconds that reads the batch."""
     x = torch.randn(1024, 1024, device=device)
-    t0 = time.perf_counter()
-    for _ in range(3):
+    for _ in range(50):  # warm-up (library start-up, clocks), not timed: timing it made the step ~50x too short
         x @ x
     sync(device)
-    reps = max(1, int(ms / 1e3 / ((time.perf_counter() - t0) / 3)))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        x @ x
+    sync(device)
+    reps = max(1, int(ms / 1e3 / ((time.perf_counter() - t0) / 20)))
 
     def work(batch):
         y = x
@@ -106,6 +112,8 @@ def main(argv=None) -> str:
     p.add_argument("--batches", type=int, default=500)
     p.add_argument("--workers", type=int, default=4, help="DataLoader worker processes")
     p.add_argument("--prefetch", type=int, default=4, help="batches ahead (both loaders)")
+    p.add_argument("--loader-workers", default="0,1,2,4", help="fsg.data.Loader(workers=...) counts to time")
+    p.add_argument("--repeats", type=int, default=3, help="timings of each loader setup (the median is shown)")
     p.add_argument("--step-ms", type=float, default=30.0, help="device work per batch in the busy row (124M: ~31 ms)")
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
@@ -117,26 +125,36 @@ def main(argv=None) -> str:
         fsg.data.write_tokens(path, ids)
         del ids
 
-        def fsg_batches():
+        def fsg_batches(workers: int):
             return fsg.data.Loader(path, batch_size=args.batch_size, seq_len=args.seq_len, device=device,
-                                   prefetch=args.prefetch, vocab_size=50257)  # fmt: skip
+                                   prefetch=max(args.prefetch, workers), workers=workers, vocab_size=50257)  # fmt: skip
 
-        rows = []
-        loader = fsg_batches()
-        rows.append(
-            ("fsg.data.Loader", f"1 thread, prefetch {args.prefetch}", time_batches(loader, args.batches, device))
-        )
-        loader.close()
+        def setup(workers: int) -> str:
+            ahead = max(args.prefetch, workers)
+            return (
+                "in the caller's thread"
+                if workers == 0
+                else f"{workers} worker thread{'s' * (workers > 1)}, prefetch {ahead}"
+            )
+
+        counts = [int(w) for w in args.loader_workers.split(",")]
+        rates = {w: [] for w in counts}
+        for _ in range(args.repeats):  # interleaved, so that a noisy neighbour hits every count alike
+            for workers in counts:
+                with fsg_batches(workers) as loader:
+                    rates[workers].append(time_batches(loader, args.batches, device))
+        rows = [("fsg.data.Loader", setup(w), rates[w]) for w in counts]
         rows.append((
             "torch DataLoader", f"{args.workers} workers, prefetch_factor {args.prefetch}",
-            time_batches(dataloader_batches(path, args, device), args.batches, device),
+            [time_batches(dataloader_batches(path, args, device), args.batches, device)],
         ))  # fmt: skip
         work = busy_step(device, args.step_ms)
         n_busy = max(20, args.batches // 10)
         step_alone = time_batches(iter(lambda: torch.zeros(1, 1, device=device), None), n_busy, device, work)
-        loader = fsg_batches()
-        with_loader = time_batches(loader, n_busy, device, work)
-        loader.close()
+        fed = []
+        for workers in counts:
+            with fsg_batches(workers) as loader:
+                fed.append((setup(workers), time_batches(loader, n_busy, device, work)))
 
     tokens = args.batch_size * args.seq_len
     lines = [
@@ -144,14 +162,21 @@ def main(argv=None) -> str:
         f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'}), "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
         "",
-        "| loader | setup | batches/s | tokens/s |",
-        "|---|---|---|---|",
-        *(f"| {name} | {setup} | {rate:,.0f} | {rate * tokens:,.0f} |" for name, setup, rate in rows),
+        f"| loader | setup | batches/s (median of {args.repeats}) | min-max | tokens/s |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {name} | {setup} | {statistics.median(r):,.0f} | {min(r):,.0f}-{max(r):,.0f} | "
+            f"{statistics.median(r) * tokens:,.0f} |"
+            for name, setup, r in rows
+        ),
         "",
         f"| stand-in step (~{args.step_ms:.0f} ms of device work) | steps/s |",
         "|---|---|",
         f"| without data | {step_alone:,.1f} |",
-        f"| fed by fsg.data.Loader | {with_loader:,.1f} ({100 * with_loader / step_alone:.0f}% of the step alone) |",
+        *(
+            f"| fed by fsg.data.Loader, {name} | {rate:,.1f} ({100 * rate / step_alone:.0f}% of the step alone) |"
+            for name, rate in fed
+        ),
     ]
     table = "\n".join(lines)
     print(table)

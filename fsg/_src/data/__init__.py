@@ -2,6 +2,6 @@
 
 Modules: ``_formats`` (token file layouts), ``_sources`` (memory-mapped and in-memory
 tokens), ``_order`` (the stateless window permutation), ``_ranks`` (which rows a rank reads),
-``_prefetch`` (the background feeding thread), ``_loader`` (``Loader``), ``_prepare``
+``_prefetch`` (the background workers that feed the device), ``_loader`` (``Loader``), ``_prepare``
 (tokenizing text into token files).
 """

@@ -40,6 +40,18 @@ def _produce(source, *, seed: int, batch_size: int, seq_len: int, num: int, rank
     return rows_BT, _order.advance(cursor, batch_size, num)
 
 
+def _produce_at(produce, start: Cursor, batch_size: int, num: int, index: int, pin: bool):
+    """Batch ``index`` counted from ``start``: any one computed on its own, so workers can build
+    different future batches at once (a module function, so that the threads hold no reference
+    to the loader and ``Loader.__del__`` can stop them)."""
+    return produce(cursor=_order.advance(start, index * batch_size, num), pin=pin)
+
+
+def _describe(start: Cursor, batch_size: int, num: int, index: int) -> str:
+    cursor = _order.advance(start, index * batch_size, num)
+    return f"the batch at epoch {cursor.epoch}, position {cursor.position} ({index} after the first one fed)"
+
+
 def _check_vocab(source, rows_BT: torch.Tensor, starts: np.ndarray, vocab_size: int) -> None:
     bad = rows_BT >= vocab_size
     if bool(bad.any()):
@@ -70,7 +82,10 @@ class Loader:
       batch_sharding: the step's batch spec (default ``P("dp")`` when the mesh has ``dp``).
       vocab_size: when given, a token id at or beyond it raises ``DataError``.
       device: where batches go (default: the mesh's device type, else the CPU).
-      prefetch: batches assembled ahead by a background thread (0: none, in the caller).
+      prefetch: batches held ahead of the consumer, ready or being assembled (0: none).
+      workers: background threads assembling different future batches at once (default 1,
+        or 0 when ``prefetch=0``; 0: each batch is built in the caller's thread). At most
+        ``prefetch``. The batches, their order and the state are the same for any count.
       dtype: the dtype of the token block (default int64).
       format: the token file format: ``"auto"``, ``"llmc"`` or ``"nanogpt"``.
       rank, num_ranks: off a mesh, read data rank ``rank`` of ``num_ranks``'s rows (tests).
@@ -87,12 +102,20 @@ class Loader:
 
     def __init__(self, data: Any, *, batch_size: int, seq_len: int, seed: int = 0, mesh: Mesh | None = None,
                  batch_sharding: P | None = None, vocab_size: int | None = None, device: Any = None,
-                 prefetch: int = 2, dtype: torch.dtype = torch.int64, format: str = "auto",
+                 prefetch: int = 2, workers: int | None = None, dtype: torch.dtype = torch.int64, format: str = "auto",
                  rank: int | None = None, num_ranks: int | None = None):  # fmt: skip
         self.batch_size = checks.integer("Loader(batch_size=...)", batch_size, low=1)
         self.seq_len = checks.integer("Loader(seq_len=...)", seq_len, low=1)
         self.seed = checks.integer("Loader(seed=...)", seed, low=0)
         self.prefetch = checks.integer("Loader(prefetch=...)", prefetch, low=0)
+        if workers is None:
+            workers = 1 if prefetch > 0 else 0
+        self.workers = checks.integer("Loader(workers=...)", workers, low=0)
+        if workers > prefetch:
+            raise checks.fail(
+                "Loader(workers=...)", f"must be at most prefetch={prefetch} (a worker builds one of the batches "
+                f"held ahead)", workers, f"raise prefetch to {workers}, or use workers=0 to build in the caller",
+            )  # fmt: skip
         if vocab_size is not None:
             checks.integer("Loader(vocab_size=...)", vocab_size, low=1)
         self.source = as_source(data, format=format)
@@ -146,11 +169,16 @@ class Loader:
         """The next batch: this rank's ``[B / R, T + 1]`` rows, as the global ``[B, T + 1]``
         ``DTensor`` on a mesh of several devices."""
         if self._prefetcher is None:
+            at = (self._cursor, self.batch_size, self.num_windows)
             self._prefetcher = Prefetcher(
-                lambda cursor, pin, produce=self._produce: produce(cursor=cursor, pin=pin),
-                self._cursor, depth=self.prefetch, device=self.device,
+                functools.partial(_produce_at, self._produce, *at), depth=self.prefetch, workers=self.workers,
+                device=self.device, describe=functools.partial(_describe, *at),
             )  # fmt: skip
-        rows_BT, self._cursor = self._prefetcher.next()
+        try:
+            rows_BT, self._cursor = self._prefetcher.next()
+        except BaseException:
+            self.close()  # the state stays at the failed batch; the next next() tries it again
+            raise
         if self._rank.placements is None:
             return rows_BT
         return DTensor.from_local(
@@ -197,7 +225,8 @@ class Loader:
         return self
 
     def close(self) -> None:
-        """Stops the prefetch thread; the next batch starts it again where the loader stands."""
+        """Stops the background workers and joins them (batches they built ahead are dropped);
+        the next batch starts them again where the loader stands."""
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
