@@ -34,6 +34,7 @@ from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
 from fsg._src.precision import DynamicLossScale as DynamicLossScale
+from fsg._src.precision import Float8 as Float8
 from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
 from fsg._src.runtime.eval_step import EvalStep as EvalStep
@@ -67,6 +68,7 @@ __all__ = [
     "check_replicas",
     "DataError",
     "DynamicLossScale",
+    "Float8",
     "NonFiniteError",
     "SkipNonFinite",
     "data",

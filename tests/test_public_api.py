@@ -7,7 +7,7 @@ import fsg.optim
 
 def test_fsg_public_names():
     assert sorted(fsg.__all__) == sorted([
-        "ArgumentError", "BatchError", "ReplicaMismatchError", "check_replicas", "DataError", "DynamicLossScale", "NonFiniteError", "SkipNonFinite", "data", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "EvalStep", "FsgError", "Mesh", "MeshError", "P", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError", "Memory",
+        "ArgumentError", "BatchError", "ReplicaMismatchError", "check_replicas", "DataError", "DynamicLossScale", "Float8", "NonFiniteError", "SkipNonFinite", "data", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "EvalStep", "FsgError", "Mesh", "MeshError", "P", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError", "Memory",
         "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
         "Topology", "TopologyError", "TrainState", "UnsupportedError", "plan", "topology", "VerificationError", "apply", "buffers", "compile_eval", "compile_step", "nn", "optim", "params",
     ])  # fmt: skip

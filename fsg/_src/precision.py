@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -40,12 +40,66 @@ class DynamicLossScale(NamedTuple):
     min_scale: float = 1.0
 
 
+class _Float8Fields(NamedTuple):
+    recipe: str
+    filter: Callable[[str], bool] | None
+    keep_output_head: bool
+
+
+class Float8(_Float8Fields):
+    """FP8 matmuls: ``fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8())`` runs the linear
+    layers' matmuls (forward, grad-input, grad-weight) as ``torch._scaled_mm`` on FP8 operands,
+    scaled in the graph (docs/precision.md#fp8).
+
+    Attributes:
+      recipe: ``"tensorwise"``: one scale per tensor, from its current absolute maximum (dynamic
+        current scaling); activations and weights in ``float8_e4m3fn``, gradients in
+        ``float8_e5m2``. ``"rowwise"`` is planned and not built yet.
+      filter: ``None`` (every eligible linear layer) or a callable ``filter(name) -> bool``
+        deciding per layer, given its weight's name as ``fsg.params`` spells it
+        (``"blocks.0.fc.weight"``); ``False`` keeps that layer in the compute dtype.
+      keep_output_head: keep the output head in the compute dtype: the matmul the loss is
+        computed from through pointwise ops, views, reductions, softmax and losses only, found
+        by data flow (docs/precision.md#which-matmuls).
+
+    Example:
+      >>> cfg = fsg.Float8(filter=lambda name: not name.startswith("blocks.0."))
+      >>> fsg.Policy(compute=torch.bfloat16, matmul=cfg).matmul.recipe
+      'tensorwise'
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | None = None,
+                keep_output_head: bool = True) -> Float8:  # fmt: skip
+        return check_float8(super().__new__(cls, recipe, filter, keep_output_head))
+
+
+FLOAT8_RECIPES = ("tensorwise",)  # built; "rowwise" is planned (issue 18)
+
+
+def check_float8(cfg: Any) -> Float8:
+    """``cfg`` if it is a valid ``Float8``; an ``ArgumentError`` naming the field otherwise."""
+    checks.instance("fsg.Policy(matmul=...)", cfg, Float8, what="None or an fsg.Float8", fix="E.g. matmul=fsg.Float8()")
+    if cfg.recipe == "rowwise":
+        raise checks.fail("fsg.Float8(recipe=...)", "'rowwise' is not built yet (issue 18)", cfg.recipe,
+                          "Use recipe='tensorwise'")  # fmt: skip
+    if cfg.recipe not in FLOAT8_RECIPES:
+        raise checks.fail("fsg.Float8(recipe=...)", f"must be one of {FLOAT8_RECIPES}", cfg.recipe,
+                          "E.g. recipe='tensorwise'")  # fmt: skip
+    if cfg.filter is not None:
+        checks.function("fsg.Float8(filter=...)", cfg.filter, fix="Pass None or a function of the weight's name")
+    checks.flag("fsg.Float8(keep_output_head=...)", cfg.keep_output_head)
+    return cfg
+
+
 class _PolicyFields(NamedTuple):
     param: torch.dtype
     compute: torch.dtype
     reduce: torch.dtype | None
     loss_scale: DynamicLossScale | None
     autocast: bool
+    matmul: Float8 | None
 
 
 class Policy(_PolicyFields):
@@ -73,6 +127,9 @@ class Policy(_PolicyFields):
         (embedding, layer norm, softmax, losses, reductions) and their gradients stay in
         float32, as in a ``torch.compile`` + autocast baseline (the same numerics, op for op).
         On a mesh, FSDP then gathers parameters in ``param``'s dtype.
+      matmul: ``None`` (default), or an ``fsg.Float8`` to run the linear layers' matmuls in FP8
+        (a stage-3 pass; needs a bfloat16 or float16 ``compute``, one device, and on CUDA a GPU
+        with FP8 tensor cores). Evaluation steps (``compile_eval``) run them in ``compute``.
 
     Example:
       >>> policy = fsg.Policy(param=torch.float32, compute=torch.bfloat16)
@@ -89,12 +146,13 @@ class Policy(_PolicyFields):
         reduce: torch.dtype | None = None,
         loss_scale: DynamicLossScale | bool | None = None,
         autocast: bool = False,
+        matmul: Float8 | None = None,
     ) -> Policy:
         if loss_scale is None or loss_scale is True:
             loss_scale = DynamicLossScale() if compute == torch.float16 or loss_scale else None
         elif loss_scale is False:
             loss_scale = None
-        policy = super().__new__(cls, param, compute, reduce, loss_scale, autocast)
+        policy = super().__new__(cls, param, compute, reduce, loss_scale, autocast, matmul)
         check_policy(policy)
         return policy
 
@@ -133,6 +191,11 @@ def check_policy(policy: Any) -> Policy:
             raise checks.fail(f"fsg.Policy({name}=...)", "must be a floating-point torch.dtype", dtype,
                               "E.g. torch.float32 or torch.bfloat16 (integer leaves keep their dtype anyway)")  # fmt: skip
     checks.instance("fsg.Policy(autocast=...)", policy.autocast, bool, what="a bool", fix="autocast=True or False")
+    if policy.matmul is not None:
+        check_float8(policy.matmul)
+        if policy.compute not in (torch.bfloat16, torch.float16):
+            raise checks.fail("fsg.Policy(matmul=fsg.Float8(...))", "needs compute=torch.bfloat16 or torch.float16 "
+                              "(FP8 replaces 16-bit matmuls)", policy.compute, "E.g. compute=torch.bfloat16")  # fmt: skip
     scale = policy.loss_scale
     if scale is not None:
         checks.instance("fsg.Policy(loss_scale=...)", scale, DynamicLossScale, what="an fsg.DynamicLossScale, a bool or None",

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import buckets, defer, fuse_adamw, prefetch, run_pass, update_on_arrival
+from fsg._src.passes import buckets, defer, float8, fuse_adamw, prefetch, run_pass, update_on_arrival
 from fsg._src.trace import markers
 
 
@@ -27,6 +27,7 @@ class Options(NamedTuple):
     on_mesh: bool = False  # a per-rank graph with collectives
     bucket_mb: float | None = None  # bucket and place the collectives (on a mesh)
     num_state_leaves: int | None = None  # stage 1's leaf layout: the inputs after these are the batch
+    float8: float8.Float8Plan | None = None  # Policy(matmul=fsg.Float8()): the linear layers' matmuls in FP8
 
     @property
     def bucketing(self) -> bool:
@@ -43,12 +44,14 @@ class Pass(NamedTuple):
 
 
 PASSES = (
+    # reads the parameters' names off their inputs, before the gathers are packed (on a mesh)
+    Pass("float8", lambda gm, o: float8.rewrite(gm, o.float8), lambda o: o.float8 is not None),
     # finds the gradients by their fsg::grad markers, and the update by the donation copy_s
     Pass("fuse_adamw", lambda gm, o: fuse_adamw.fuse_adamw(gm, o.adamw), lambda o: o.adamw is not None),
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
     # the gathers' buckets first: they fix where the forward reads each parameter
     Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
-         lambda o: o.bucketing, after=("strip_markers",)),  # fmt: skip
+         lambda o: o.bucketing, after=("float8", "strip_markers")),  # fmt: skip
     Pass("bucket_gradient_collectives", lambda gm, o: buckets.bucket_gradient_collectives(gm, o.bucket_mb),
          lambda o: o.bucketing, after=("fuse_adamw", "strip_markers", "bucket_parameter_gathers")),  # fmt: skip
     # splits the fused node per bucket: needs both the node and the buckets' waits

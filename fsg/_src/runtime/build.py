@@ -19,8 +19,8 @@ from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
+from fsg._src.passes import float8, pipeline
 from fsg._src.passes import fuse_adamw as fusion
-from fsg._src.passes import pipeline
 from fsg._src.precision import Policy
 from fsg._src.runtime import validate
 from fsg._src.sharding import op_support, placement, spmd
@@ -80,16 +80,17 @@ class Builder:
             state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None
         )
         on_mesh = self._mesh is not None
+        fp8 = float8.plan(self._precision.matmul, state, graph.traced, on_mesh=on_mesh)
         try:
             return self._optimize(
-                graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves)
+                graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves, fp8)
             )
         except UnsupportedError as exc:
             if adamw is None or self._fused_optimizer:  # asked for the fused kernel: no fallback
                 raise
             log.warning("fsg: stage 3: the fused AdamW refused this step (%s); tracing the update's math instead", exc)
         graph = build(state, batch, self._optimizer, False)
-        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb, graph.traced.num_state_leaves))
+        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb, graph.traced.num_state_leaves, fp8))
 
     def _optimize(self, built: Built, options: pipeline.Options) -> Built:
         t0 = time.perf_counter()
@@ -177,9 +178,8 @@ class Builder:
         return Built(traced, local, None, plan, {"traced": traced.graph_module, "sharded": local})
 
     def skips(self, fused: bool) -> bool:
-        """Whether the step skips non-finite steps: when asked (off by default: on CUDA,
-        Inductor in torch 2.11 generated a kernel that fails to launch for the skip's graph of
-        a small GPT, docs/resilience.md), and always under a loss scale. ``fused``: whether
+        """Whether the step skips non-finite steps: when asked (off by default, as optax's
+        ``apply_if_finite``; docs/resilience.md), and always under a loss scale. ``fused``: whether
         the fused AdamW applies (on a mesh, a skip waits for every gradient's norm, which
         costs the per-bucket update its overlap)."""
         del fused  # the cost is the user's choice now; docs/resilience.md says it

@@ -1,0 +1,104 @@
+"""FP8 matmuls on CUDA (``Policy(matmul=fsg.Float8())``; skipped without a GPU): cuBLASLt's
+``_scaled_mm`` under Inductor and CUDA-graph replay, against the same emulation and bf16
+references as the CPU tests (tests/test_float8.py). On a GPU without FP8 tensor cores only
+the refusal is tested."""
+
+import math
+
+import pytest
+import torch
+
+import fsg
+from fsg._src.errors import UnsupportedError
+from tests.test_float8 import (
+    BF16,
+    E4M3,
+    E5M2,
+    FP8,
+    GPT,
+    GPT_CFG,
+    _gpt_batches,
+    _linear,
+    emulated_mm,
+    joint,
+    nodes,
+    rewrite,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+aten = torch.ops.aten
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+needs_fp8 = pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores (compute capability 8.9+)")
+
+
+def _gpt(policy, backend="inductor"):
+    torch.manual_seed(0)
+    model = GPT(GPT_CFG).cuda()
+    step = fsg.compile_step(
+        lambda p, b: fsg.apply(model, p, b["x"], b["y"]),
+        optimizer=fsg.optim.adamw(3e-3),
+        precision=policy,
+        backend=backend,
+    )
+    return step, step.init(fsg.params(model))
+
+
+def _cuda(batches):
+    return [{k: v.cuda() for k, v in b.items()} for b in batches]
+
+
+@pytest.mark.skipif(_fp8_gpu() or not torch.cuda.is_available(), reason="this GPU has FP8 tensor cores")
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused():
+    step, state = _gpt(FP8, backend="aot_eager")
+    with pytest.raises(UnsupportedError, match="needs FP8 tensor cores"):
+        step(state, _cuda(_gpt_batches(1))[0])
+
+
+@needs_fp8
+def test_a_linear_layer_on_cuda_matches_the_emulation():
+    x, w, c = (t.cuda() for t in (torch.randn(256, 512), torch.randn(768, 512), torch.randn(256, 768)))
+    x, w, c = x.bfloat16(), w.bfloat16(), c.bfloat16()
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    assert rewrite(gm, {1: "w"}) == "3 of 3 matmuls in FP8"
+    assert len(nodes(gm, aten._scaled_mm.default)) == 3
+    _, y, gx, gw = gm(x, w, c)
+    for got, want in (
+        (y, emulated_mm(x, w.t(), E4M3, E4M3)),  # fast accumulation: a looser bound
+        (gx, emulated_mm(c, w, E5M2, E4M3)),
+        (gw, emulated_mm(c.t(), x, E5M2, E4M3)),
+    ):
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@needs_fp8
+def test_gpt_fp8_step_under_inductor_tracks_bf16_and_learns():
+    batches = _cuda(_gpt_batches(20))
+    losses = {}
+    for name, policy in (("bf16", BF16), ("fp8", FP8)):
+        step, state = _gpt(policy)
+        losses[name] = []
+        for b in batches:
+            state, metrics = step(state, b)
+            losses[name].append(float(metrics["loss"]))
+        assert step.num_compiles == 1
+    assert step.lower(state, batches[0]).op_counts()["aten._scaled_mm"] == 24
+    fp8, ref = losses["fp8"], losses["bf16"]
+    assert all(math.isfinite(v) for v in fp8) and fp8[-1] < 0.6 * fp8[0]
+    assert max(abs(a - b) for a, b in zip(fp8, ref)) < 0.05, (fp8, ref)
+
+
+@needs_fp8
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gpt_fp8_step_with_autocast_or_casts_and_fp16(autocast):
+    policy = fsg.Policy(compute=torch.bfloat16, autocast=autocast, matmul=fsg.Float8())
+    for p in (policy, fsg.Policy(compute=torch.float16, matmul=fsg.Float8())):
+        step, state = _gpt(p)
+        for b in _cuda(_gpt_batches(5)):
+            state, metrics = step(state, b)
+        assert math.isfinite(float(metrics["loss"]))
