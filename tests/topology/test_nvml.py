@@ -95,3 +95,13 @@ def test_without_nvml_nothing_is_discovered():
     assert nvml.links_of(None) is None
     if nvml._library() is None:  # the CPU machines: no libnvidia-ml
         assert nvml.links_of(bus(0)) is None
+
+
+def test_the_node_link_between_nvlink_domains_defaults_to_pcie_not_nvlink():
+    split = Topology.from_hostnames(["a"] * 4, nvlink=["nvl0", "nvl0", "nvl1", "nvl1"])
+    links = {level.name: level.link for level in split.levels}
+    assert links["node"].bandwidth_GBps < links["nvlink"].bandwidth_GBps / 10
+    whole = Topology.from_hostnames(["a"] * 4, nvlink=["nvl0"] * 4)  # one domain: the node is NVLink
+    assert whole.level_names == ("node", "cluster") and whole.levels[0].link.bandwidth_GBps == 335.0
+    given = Topology.from_hostnames(["a"] * 4, nvlink=["x", "x", "y", "y"], links={"node": {"bandwidth_GBps": 50, "latency_us": 3}})
+    assert given.levels[1].link.bandwidth_GBps == 50

@@ -16,6 +16,7 @@ from fsg._src.errors import TopologyError
 from fsg._src.topology.levels import (
     DEFAULT_LINKS,
     LEVEL_NAMES,
+    NODE_LINK_BETWEEN_NVLINK_DOMAINS,
     Level,
     Link,
     check_level_name,
@@ -37,7 +38,8 @@ class Topology:
         ``"pod"``, ``"cluster"``); the outermost must hold every rank.
       locations: per rank, the label of its domain at each level.
       links: ``{level: Link or {bandwidth_GBps, latency_us}}``; a level not named gets the
-        default link of ``fsg._src.topology.levels.DEFAULT_LINKS``.
+        default link of ``fsg._src.topology.levels.DEFAULT_LINKS`` (the node level, when an
+        nvlink level lies inside it: ``NODE_LINK_BETWEEN_NVLINK_DOMAINS``, PCIe).
 
     Example:
       >>> topo = Topology.regular(nodes=4, gpus_per_node=8, nodes_per_rack=2)
@@ -63,7 +65,10 @@ class Topology:
                 raise TopologyError(
                     f"links names level {name!r}, which this topology does not have; its levels are {names}"
                 )
-        self.levels = tuple(Level(n, link_from(links.get(n, DEFAULT_LINKS[n]), f"links.{n}")) for n in names)
+        defaults = dict(DEFAULT_LINKS)
+        if "nvlink" in names:  # the node link then joins a node's NVLink domains: PCIe, not NVLink
+            defaults["node"] = NODE_LINK_BETWEEN_NVLINK_DOMAINS
+        self.levels = tuple(Level(n, link_from(links.get(n, defaults[n]), f"links.{n}")) for n in names)
         if not locations:
             raise TopologyError("a topology needs at least one GPU; the description has none")
         ids = np.zeros((len(locations), len(names)), dtype=np.int64)

@@ -50,6 +50,10 @@ DEFAULT_LINKS = {
     "pod": Link(22.5, 8.0),  # spine, 2:1 oversubscribed
     "cluster": Link(11.0, 10.0),  # core, 4:1 oversubscribed
 }
+# The node level's default when the topology has an nvlink level: then the node link joins
+# NVLink domains (or lone GPUs) of one node, over PCIe Gen5 x16 through the host (an assumption,
+# uncalibrated, as every default here but the two-H200 NVLink figure).
+NODE_LINK_BETWEEN_NVLINK_DOMAINS = Link(24.0, 4.0)
 
 
 def check_level_name(name: object, where: str) -> str:
