@@ -18,9 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.distributed as dist  # noqa: E402
 
 import fsg  # noqa: E402
-import fsg.sharding  # noqa: E402
-import fsg.testing  # noqa: E402
-from tests.helpers import mlp, mse_loss_fn, regression_batch  # noqa: E402
+from tests.topology.workers import check_tp_dp_step  # noqa: E402
 
 
 def main() -> None:
@@ -30,12 +28,7 @@ def main() -> None:
     hosts: list = [None] * info.world_size
     dist.all_gather_object(hosts, os.environ["FSG_HOSTNAME"])
     tp_group = dist.get_process_group_ranks(mesh.device_mesh.get_group("tp"))
-    model = mlp(d_in=8, d_hidden=32, d_out=4)
-    rules = fsg.sharding.rules([(r"0\.weight", fsg.P("tp", None)), (r"2\.weight", fsg.P(None, "tp"))])
-    fsg.testing.assert_sharded_matches_unsharded(
-        mse_loss_fn(model), fsg.params(model), [regression_batch(n=16, seed=i) for i in range(3)], mesh,
-        optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), param_sharding=rules, batch_sharding=fsg.P("dp"),
-    )  # fmt: skip
+    check_tp_dp_step(mesh)
     seen = {"rank": info.rank, "hosts": hosts, "topology": repr(topo), "tp_group": tp_group,
             "mesh": mesh.device_mesh.mesh.tolist()}  # fmt: skip
     Path(os.environ["FSG_TEST_OUT"], f"rank{info.rank}.json").write_text(json.dumps(seen))
