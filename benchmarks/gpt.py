@@ -24,6 +24,9 @@ Implementations (--impl):
   compile-max   the same with mode="max-autotune-no-cudagraphs" (minutes of autotuning)
   compile-opt   compile, plus the optimizer step under torch.compile (AdamW(foreach=True),
             lr as a tensor so it never recompiles)
+  compile-fp8   compile after torchao's convert_to_float8_training (tensorwise dynamic scaling,
+            the head kept in bf16, torchao's filter for dims not divisible by 16): the
+            layer-by-layer FP8 baseline (needs torchao: the wheel is carried to the GPU machine)
   compile-model torch.compile(model) with the loss outside, in eager float32 (the weaker
             baseline earlier rows of RESULTS.md were measured against)
   jax       jax.jit of value_and_grad + optax.adamw, donated state, layers under lax.scan
@@ -50,7 +53,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "tiny": (2, 4, 128)}
+MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
 PEAK_TFLOPS = 989.0
 
@@ -104,6 +107,13 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     elif impl.startswith("compile"):
+        if impl == "compile-fp8":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            def fp8_filter(module, fqn):
+                return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+            convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=fp8_filter)
 
         def loss_of(x, y):
             with torch.autocast(dev, dtype=torch.bfloat16):
@@ -194,6 +204,8 @@ def run_torch(impl: str, args) -> dict:
         loss = step(i)
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    if args.profile:
+        _profile(step, sync, Path(f"{args.profile}.{args.model}.{impl}.txt"))
     return {
         "ms": ms,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -206,6 +218,19 @@ def run_torch(impl: str, args) -> dict:
         "n_params": n_params,
         "versions": f"torch {torch.__version__}",
     }
+
+
+def _profile(step, sync, path: Path, steps: int = 3) -> None:
+    """A CUDA-time table of ``steps`` more steps (torch.profiler), top kernels first, to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        sync()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} steps\n{table}\n")
 
 
 def run_jax(args) -> dict:
@@ -326,6 +351,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--name", default="", help="a label for the table rows")
+    parser.add_argument("--profile", default="", help="a path prefix: a CUDA-time table of 3 more steps per row")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (torch rows)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
