@@ -360,3 +360,19 @@ def test_lower_shows_each_stage():
     assert lowered.stages["optimized"] is lowered.graph_module
     with pytest.raises(ValueError, match="no stage 'sharded'"):
         lowered.as_text("sharded")
+
+
+def test_the_stage_3_log_line_reports_each_pass_in_a_few_words(caplog):
+    """Each pass's result is a count or a short summary, never a graph: the fused step's INFO
+    line once carried strip_markers' whole GraphModule (thousands of lines at GPT-2 sizes)."""
+    model = torch.nn.Linear(4, 2)
+    step = fsg.compile_step(
+        lambda p, b: ((fsg.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=fsg.optim.adamw(1e-2),
+        fused_optimizer=True, backend="eager",
+    )  # fmt: skip
+    state = step.init(fsg.params(model))
+    with caplog.at_level("INFO", logger="fsg"):
+        step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
+    [line] = [r.getMessage() for r in caplog.records if "stage 3:" in r.getMessage()]
+    assert "fuse_adamw (" in line and "strip_markers (" in line
+    assert len(line) < 200 and "GraphModule" not in line, line

@@ -44,11 +44,13 @@ GRAD = torch.ops.fsg.grad.default
 MARKERS = (PARAM_USE, GRAD)
 
 
-def strip(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replaces every marker node by its input (the single-device path)."""
+def strip(gm: fx.GraphModule) -> int:
+    """Replaces every marker node by its input (the single-device path); returns how many."""
+    stripped = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in MARKERS:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+            stripped += 1
     gm.recompile()
-    return gm
+    return stripped
