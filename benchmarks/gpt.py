@@ -39,6 +39,7 @@ Implementations (--impl):
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
+  fsg-fp8-row   the same with Float8(recipe="rowwise"): a scale per row, the grad-weight in bf16
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def run_torch(impl: str, args) -> dict:
             precision=fsg.Policy(
                 compute=torch.bfloat16,
                 autocast=impl == "fsg-autocast",
-                matmul=fsg.Float8() if impl == "fsg-fp8" else None,
+                matmul={"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise")}.get(impl),
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,

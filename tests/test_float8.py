@@ -233,6 +233,87 @@ def test_scaled_mm_numerics_match_the_emulation_and_fp8_rounding_of_float32(case
         assert float(excess.max()) <= 1e-30, float(excess.max())
 
 
+# --- the rowwise recipe --------------------------------------------------------------------
+
+ROWWISE = fsg.Float8(recipe="rowwise", keep_output_head=False)
+
+
+def quantize_rows(t, dtype):
+    """``t`` scaled row by row (each row's absolute max to the format's max), saturated, cast;
+    and the scales as a column."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype), scale
+
+
+def emulated_rowwise_mm(a, b, out_dtype=torch.bfloat16):
+    """``a @ b`` as rowwise FP8 computes it: ``a``'s rows and ``b``'s columns scaled apart, e4m3."""
+    (qa, sa), (qbt, sb) = quantize_rows(a, E4M3), quantize_rows(b.t(), E4M3)
+    return ((qa.float() @ qbt.float().t()) / (sa * sb.t())).to(out_dtype)
+
+
+def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16(caplog):
+    x, w, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(32, 48, seed=2)
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    with caplog.at_level(logging.INFO, logger="fsg"):
+        assert rewrite(gm, {1: "w"}, ROWWISE) == "2 of 3 matmuls in FP8"
+    [kept] = nodes(gm, aten.mm.default)
+    assert tuple(kept.meta["val"].shape) == (48, 64)  # the grad-weight dY^T @ X
+    assert any("keeps the grad-weight" in r.getMessage() for r in caplog.records)
+    by_shape = {tuple(n.meta["val"].shape): n for n in nodes(gm, aten._scaled_mm.default)}
+    fwd, grad_input = by_shape[(32, 48)], by_shape[(32, 64)]
+    assert operand_dtypes(fwd) == (E4M3, E4M3) and operand_dtypes(grad_input) == (E4M3, E4M3)
+    scale_shapes = [
+        tuple(a.meta["val"].shape) for a in (fwd.args[2], fwd.args[3], grad_input.args[2], grad_input.args[3])
+    ]
+    assert scale_shapes == [(32, 1), (1, 48), (32, 1), (1, 64)]  # a scale per row of A, per column of B
+    assert not nodes(gm, aten.max.default) and len(nodes(gm, aten.amax.default)) == 4  # x, w rows, dY, w columns
+    loss, y, gx, gw = gm(x, w, c)
+    torch.testing.assert_close(y, emulated_rowwise_mm(x, w.t()), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gx, emulated_rowwise_mm(c, w), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gw, (c.t().float() @ x.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+
+
+def rowwise_rounding_bound(a, b):
+    """``rounding_bound`` with a scale per row of ``a`` and per column of ``b`` (both e4m3)."""
+    (_, sa), (_, sb) = quantize_rows(a, E4M3), quantize_rows(b.t(), E4M3)
+    ea = a.float().abs() * 2.0**-4 + 2.0**-10 / sa
+    eb = b.float().abs() * 2.0**-4 + 2.0**-10 / sb.t()
+    abs_a, abs_b = a.float().abs(), b.float().abs()
+    return ea @ abs_b + abs_a @ eb + ea @ eb + (abs_a @ abs_b) * 2.0**-8
+
+
+@given(matmul_strategy())
+def test_rowwise_numerics_match_the_emulation_and_fp8_rounding_row_by_row(case):
+    """Each operand row lands on FP8's grid with its own scale, so the error bound of a row
+    depends on that row alone: one token's activations 10^4 larger than the rest do not flush
+    the other rows' small values, as one scale per tensor would."""
+    m, k, n, seed, magnitude, outliers = case
+    x, w, c = bf16(m, k, seed=seed, scale=magnitude), bf16(n, k, seed=seed + 1), bf16(m, n, seed=seed + 2)
+    if outliers:
+        x[0] *= 1e4
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    assert rewrite(gm, {1: "w"}, ROWWISE) == "2 of 3 matmuls in FP8"
+    _, y, gx, _ = gm(x, w, c)
+    for got, (a, b) in ((y, (x, w.t())), (gx, (c, w))):
+        want = emulated_rowwise_mm(a, b)
+        row_scale = want.float().abs().amax(dim=1, keepdim=True) + 1e-30  # a row's ulp of scale may flip
+        assert bool(((got.float() - want.float()).abs() <= 2e-2 * row_scale).all())  # an element's rounding
+        excess = (got.float() - a.float() @ b.float()).abs() - rowwise_rounding_bound(a, b) * 1.01
+        assert float(excess.max()) <= 1e-30, float(excess.max())
+
+
+def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns():
+    batches = _gpt_batches(20)
+    bf16_losses = _train(*_gpt_step(BF16), batches)
+    step, state = _gpt_step(fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise")))
+    losses = _train(step, state, batches)
+    counts = step.lower(state, batches[0]).op_counts()
+    assert counts["aten._scaled_mm"] == 16 and counts["aten.mm"] + counts.get("aten.addmm", 0) == 8  # grad-weights
+    assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) < 0.03, (losses, bf16_losses)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
+
+
 def test_an_all_zero_tensor_gets_a_finite_scale():
     x, w, c = torch.zeros(32, 64, dtype=torch.bfloat16), bf16(48, 64), bf16(32, 48)
     gm = joint(_linear, x, w, c, grad_of=(0, 1))
@@ -360,8 +441,11 @@ def test_mlp_fp8_step_under_inductor_matches_eager():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: fsg.Float8(recipe="rowwise"), r"Float8\(recipe=...\) 'rowwise' is not built yet"),
-        (lambda: fsg.Float8(recipe="delayed"), r"Float8\(recipe=...\) must be one of \('tensorwise',\)"),
+        (lambda: fsg.Float8(recipe="delayed"), r"Float8\(recipe=...\) must be one of \('tensorwise', 'rowwise'\)"),
+        (
+            lambda: fsg.Policy(compute=torch.float16, matmul=fsg.Float8(recipe="rowwise")),
+            r"Float8\(recipe='rowwise'\)\) needs compute=torch.bfloat16",
+        ),
         (lambda: fsg.Float8(filter="fc"), r"Float8\(filter=...\) must be callable"),
         (lambda: fsg.Float8(keep_output_head=None), r"Float8\(keep_output_head=...\) must be True or False"),
         (

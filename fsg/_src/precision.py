@@ -54,7 +54,11 @@ class Float8(_Float8Fields):
     Attributes:
       recipe: ``"tensorwise"``: one scale per tensor, from its current absolute maximum (dynamic
         current scaling); activations and weights in ``float8_e4m3fn``, gradients in
-        ``float8_e5m2``. ``"rowwise"`` is planned and not built yet.
+        ``float8_e5m2``; all three matmuls of a layer in FP8. ``"rowwise"``: one scale per row
+        of each operand along the contracted dim (each token's activation and gradient row,
+        each output or input channel of the weight), everything in ``float8_e4m3fn``; the
+        forward and grad-input matmuls in FP8, the grad-weight in the compute dtype (its
+        scales would run along the tokens); needs ``compute=torch.bfloat16``.
       filter: ``None`` (every eligible linear layer) or a callable ``filter(name) -> bool``
         deciding per layer, given its weight's name as ``fsg.params`` spells it
         (``"blocks.0.fc.weight"``); ``False`` keeps that layer in the compute dtype.
@@ -75,15 +79,12 @@ class Float8(_Float8Fields):
         return check_float8(super().__new__(cls, recipe, filter, keep_output_head))
 
 
-FLOAT8_RECIPES = ("tensorwise",)  # built; "rowwise" is planned (issue 18)
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 
 
 def check_float8(cfg: Any) -> Float8:
     """``cfg`` if it is a valid ``Float8``; an ``ArgumentError`` naming the field otherwise."""
     checks.instance("fsg.Policy(matmul=...)", cfg, Float8, what="None or an fsg.Float8", fix="E.g. matmul=fsg.Float8()")
-    if cfg.recipe == "rowwise":
-        raise checks.fail("fsg.Float8(recipe=...)", "'rowwise' is not built yet (issue 18)", cfg.recipe,
-                          "Use recipe='tensorwise'")  # fmt: skip
     if cfg.recipe not in FLOAT8_RECIPES:
         raise checks.fail("fsg.Float8(recipe=...)", f"must be one of {FLOAT8_RECIPES}", cfg.recipe,
                           "E.g. recipe='tensorwise'")  # fmt: skip
@@ -196,6 +197,10 @@ def check_policy(policy: Any) -> Policy:
         if policy.compute not in (torch.bfloat16, torch.float16):
             raise checks.fail("fsg.Policy(matmul=fsg.Float8(...))", "needs compute=torch.bfloat16 or torch.float16 "
                               "(FP8 replaces 16-bit matmuls)", policy.compute, "E.g. compute=torch.bfloat16")  # fmt: skip
+        if policy.matmul.recipe == "rowwise" and policy.compute != torch.bfloat16:
+            raise checks.fail("fsg.Policy(matmul=fsg.Float8(recipe='rowwise'))", "needs compute=torch.bfloat16 "
+                              "(rowwise-scaled FP8 GEMMs write bfloat16)", policy.compute,
+                              "Use compute=torch.bfloat16, or recipe='tensorwise' with float16")  # fmt: skip
     scale = policy.loss_scale
     if scale is not None:
         checks.instance("fsg.Policy(loss_scale=...)", scale, DynamicLossScale, what="an fsg.DynamicLossScale, a bool or None",

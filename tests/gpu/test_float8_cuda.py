@@ -17,9 +17,11 @@ from tests.test_float8 import (
     FP8,
     GPT,
     GPT_CFG,
+    ROWWISE,
     _gpt_batches,
     _linear,
     emulated_mm,
+    emulated_rowwise_mm,
     joint,
     nodes,
     rewrite,
@@ -77,17 +79,33 @@ def test_a_linear_layer_on_cuda_matches_the_emulation():
 
 
 @needs_fp8
-def test_gpt_fp8_step_under_inductor_tracks_bf16_and_learns():
+def test_a_rowwise_linear_layer_on_cuda_matches_the_emulation():
+    """The rowwise rewrite through torch's rowwise kernel (a [M, 1] and a [1, N] scale) against
+    the rowwise emulation; the grad-weight stays bf16."""
+    x, w, c = (t.cuda().bfloat16() for t in (torch.randn(256, 512), torch.randn(768, 512), torch.randn(256, 768)))
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    assert rewrite(gm, {1: "w"}, ROWWISE) == "2 of 3 matmuls in FP8"
+    _, y, gx, gw = gm(x, w, c)
+    for got, want in ((y, emulated_rowwise_mm(x, w.t())), (gx, emulated_rowwise_mm(c, w))):
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    torch.testing.assert_close(gw, c.t() @ x)
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe, fp8_mms", [("tensorwise", 24), ("rowwise", 16)])
+def test_gpt_fp8_step_under_inductor_tracks_bf16_and_learns(recipe, fp8_mms):
     batches = _cuda(_gpt_batches(20))
     losses = {}
-    for name, policy in (("bf16", BF16), ("fp8", FP8)):
+    fp8_policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe=recipe))
+    for name, policy in (("bf16", BF16), ("fp8", fp8_policy)):
         step, state = _gpt(policy)
         losses[name] = []
         for b in batches:
             state, metrics = step(state, b)
             losses[name].append(float(metrics["loss"]))
         assert step.num_compiles == 1
-    assert step.lower(state, batches[0]).op_counts()["aten._scaled_mm"] == 24
+    assert step.lower(state, batches[0]).op_counts()["aten._scaled_mm"] == fp8_mms
     fp8, ref = losses["fp8"], losses["bf16"]
     assert all(math.isfinite(v) for v in fp8) and fp8[-1] < 0.6 * fp8[0]
     assert max(abs(a - b) for a, b in zip(fp8, ref)) < 0.05, (fp8, ref)

@@ -143,13 +143,15 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     return node.args[0], node.args[1], None
 
 
-def _why_not_op(node: fx.Node) -> str | None:
+def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
     """Why this matmul cannot run as ``_scaled_mm`` whatever its layer, or ``None``."""
     if node.target is BMM:
         return "a batched (3-D) matmul, not a linear layer's"
     out = node.meta["val"]
     if out.dtype not in (torch.bfloat16, torch.float16):
         return f"it computes in {out.dtype} (FP8 replaces bfloat16 and float16 matmuls)"
+    if rowwise and out.dtype != torch.bfloat16:
+        return f"it computes in {out.dtype}; rowwise-scaled FP8 GEMMs write bfloat16 only (use recipe='tensorwise')"
     a, b, _ = _operands(node)
     m, k, n = a.meta["val"].shape[0], a.meta["val"].shape[1], b.meta["val"].shape[1]
     if any(d % _DIM_MULTIPLE for d in (m, k, n)):
@@ -162,9 +164,10 @@ def _why_not_op(node: fx.Node) -> str | None:
 class _Quantizer:
     """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
 
-    def __init__(self, graph: fx.Graph) -> None:
-        self.graph, self.mode = graph, _torch_private.fake_mode()
-        self.scales: dict[tuple[fx.Node, torch.dtype], tuple[fx.Node, fx.Node]] = {}
+    def __init__(self, graph: fx.Graph, rowwise: bool = False) -> None:
+        self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
+        # tensorwise: (t, dtype) -> (scale, 1/scale); rowwise: (t, flip, dtype) -> 1/scale
+        self.scales: dict[tuple, Any] = {}
         self.casts: dict[tuple[fx.Node, bool, torch.dtype], fx.Node] = {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
@@ -196,8 +199,10 @@ class _Quantizer:
         inverse scale. ``t`` is cast once; its other layout is a transposed copy of that cast
         (the same values: one scale per tensor), which reads one byte an element instead of
         two and lets the backward keep the FP8 copy instead of ``t``."""
-        scale, inv = self.scale(t, dtype)
         flip = transposed != second  # the row-major copy needed is of t's transpose
+        if self.rowwise:
+            return self.rowwise_operand(t, flip, dtype, second)
+        scale, inv = self.scale(t, dtype)
         if (t, flip, dtype) not in self.casts:
             if (other := self.casts.get((t, not flip, dtype))) is not None:
                 cast = self.call(aten.clone.default, (self.call(aten.t.default, (other,)),), _DENSE)
@@ -210,13 +215,38 @@ class _Quantizer:
         cast = self.casts[(t, flip, dtype)]
         return (self.call(aten.t.default, (cast,)) if second else cast), inv
 
+    def rowwise_operand(self, t: fx.Node, flip: bool, dtype: torch.dtype, second: bool) -> tuple[fx.Node, fx.Node]:
+        """The rowwise FP8 operand: ``R`` (``t`` or its transpose, row-major, each row one dot
+        product's run along the contracted dim) scaled row by row, ``scale = fp8_max /
+        max(amax(|R|, dim=1), eps)``, and the inverse scales as ``_scaled_mm`` takes them:
+        ``[M, 1]`` for the first operand, ``[1, N]`` (the second's columns) for the second.
+        Each row's amax is a reduction over one row, so the cast needs no pass over the whole
+        tensor first and can run in the kernel that produces the row."""
+        if (t, flip, dtype) not in self.casts:
+            rows = self.call(aten.t.default, (t,)) if flip else t
+            amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
+            amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
+            fp8_max = torch.finfo(dtype).max
+            scale = self.call(aten.mul.Tensor, (self.call(aten.reciprocal.default,
+                              (self.call(aten.clamp_min.default, (amax, EPS)),)), fp8_max))  # fmt: skip
+            wide = self.call(aten._to_copy.default, (rows,), {"dtype": torch.float32})
+            scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
+            cast = self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
+            self.casts[(t, flip, dtype)] = cast
+            self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))
+        cast, inv = self.casts[(t, flip, dtype)], self.scales[(t, flip, dtype)]
+        if second:
+            return self.call(aten.t.default, (cast,)), self.call(aten.t.default, (inv,))
+        return cast, inv
+
     def matmul(self, node: fx.Node, grads: tuple[bool, bool], fast: bool) -> fx.Node:
         """``node`` (mm or addmm) as ``_scaled_mm``; ``grads`` says which operands are gradients."""
         a, b, bias = _operands(node)
         out_dtype = node.meta["val"].dtype
         with self.graph.inserting_before(node):
-            qa, inv_a = self.operand(*_peel(a), E5M2 if grads[0] else E4M3, second=False)
-            qb, inv_b = self.operand(*_peel(b), E5M2 if grads[1] else E4M3, second=True)
+            grad_dtype = E4M3 if self.rowwise else E5M2  # rowwise: a scale per row covers the range
+            qa, inv_a = self.operand(*_peel(a), grad_dtype if grads[0] else E4M3, second=False)
+            qb, inv_b = self.operand(*_peel(b), grad_dtype if grads[1] else E4M3, second=True)
             fused = bias is not None and bias.meta["val"].shape == node.meta["val"].shape[-1:]
             fused = fused and bias.meta["val"].dtype == out_dtype  # cuBLASLt's epilogue: a [N] bias of the output dtype
             kwargs = {"bias": bias if fused else None, "out_dtype": out_dtype, "use_fast_accum": fast}
@@ -268,24 +298,28 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             saved, grad = (bases[1], bases[0]) if grads[0] else (bases[0], bases[1])
             found.append((node, saved, grad, grads))
             by_grad.setdefault(grad, []).extend(c for c in by_saved.get(saved, []) if saved is c.w)
-    roles: dict[fx.Node, tuple[list[_Layer], tuple[bool, bool]]] = {}
+    roles: dict[fx.Node, tuple[list[_Layer], tuple[bool, bool], bool]] = {}  # ..., is a grad-weight
     for node, saved, grad, grads in found:
         candidates = by_saved.get(saved, [])
         if any(saved is c.x for c in candidates) and by_grad.get(grad):  # a grad-weight: the layer whose
             candidates = [c for c in candidates if c in by_grad[grad]] or candidates  # grad-input reads dY
         if candidates:
-            roles[node] = (candidates, grads)
-    quantizer, converted = _Quantizer(graph), 0
+            roles[node] = (candidates, grads, saved is candidates[0].x)
+    rowwise = at.config.recipe == "rowwise"
+    quantizer, converted = _Quantizer(graph, rowwise), 0
     for node in matmuls:  # graph order: a tensor's scale and casts come before every reader
-        why = _why_not_op(node)
+        why = _why_not_op(node, rowwise)
         if node in layers:
             why = why or layers[node].why_not
             grads, fast = (False, False), True  # the forward accumulates fast, as torchao's
         elif node in roles:
-            candidates, grads = roles[node]
+            candidates, grads, grad_weight = roles[node]
             why = why or next(
                 (f"its layer ({c.name or c.forward.name}) stays: {c.why_not}" for c in candidates if c.why_not), None
             )
+            if why is None and rowwise and grad_weight:
+                why = ("recipe='rowwise' keeps the grad-weight in the compute dtype (its scales would run "
+                       "along the tokens: a second pass over dY and X)")  # fmt: skip
             fast = False
         else:
             why = why or "it is not part of a linear layer (no forward matmul reads its operand)"
