@@ -18,6 +18,8 @@ non-determinism, e.g. atomic adds in reductions):
   fsg-autocast   fsg.compile_step, Policy(compute=bf16, autocast=True): the loss traced under
                  autocast (what the baseline computes, op for op), fused head + loss
   fsg            fsg.compile_step, Policy(compute=bf16): every parameter cast to bf16 where read
+  fsg-fp8        fsg with Policy(compute=bf16, matmul=fsg.Float8()): tensorwise FP8 linear layers
+  fsg-fp8-row    fsg with Float8(recipe="rowwise"): rowwise FP8, the grad-weights in bf16
 
 Reported: the mean loss of the last 25 steps of each run; the mean absolute difference between
 two curves' 25-step moving averages (steps 25 to the end) for each pair of runs: a baseline
@@ -112,7 +114,8 @@ def run(impl: str, args) -> dict:
             return step
 
     else:
-        policy = fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast")
+        matmul = {"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise")}.get(impl)
+        policy = fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast", matmul=matmul)
         train = fsg.compile_step(
             lambda params, b: fsg.apply(model, params, b["x"], b["y"]),
             optimizer=fsg.optim.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
