@@ -314,6 +314,47 @@ def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns():
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
 
 
+# --- what a scale may depend on --------------------------------------------------------------
+
+LEAK_CFG = GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def seen_loss(policy, batch, device="cpu", backend="eager"):
+    """The first step's loss over the positions of sequence 0 before position 32, from a GPT
+    (unfused head) trained on ``batch``: what it sees is tokens 0..31 of sequence 0."""
+    torch.manual_seed(0)
+    model = GPT(LEAK_CFG).to(device)
+
+    def loss_fn(params, b):
+        logits = fsg.apply(model, params, b["x"])
+        return F.cross_entropy(logits[0, :32].float(), b["y"][0, :32])
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend=backend, donate=False)
+    state = step.init(fsg.params(model))
+    return step(state, {k: v.to(device) for k, v in batch.items()})[1]["loss"]
+
+
+def leak_batches():
+    """A batch of 8 x 64 tokens (512 rows: more than every layer's width), and the same batch
+    with the later positions of sequence 0 and every other sequence redrawn."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 64, (8, 64), generator=g)
+    other = torch.randint(0, 64, (8, 64), generator=g)
+    other[0, :32] = x[0, :32]
+    return [{"x": t, "y": (3 * t + 1) % 64} for t in (x, other)]
+
+
+def test_rowwise_scales_see_only_their_own_token_so_the_step_stays_causal():
+    """A per-row scale is a function of one token's row, so tokens a loss does not see (later
+    positions, other sequences of the batch) leave it bit for bit as it was. One scale per
+    tensor is a function of every token: tensorwise leaks a rounding's worth across tokens."""
+    a, b = leak_batches()
+    rowwise = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+    assert torch.equal(seen_loss(rowwise, a), seen_loss(rowwise, b))
+    assert torch.equal(seen_loss(BF16, a), seen_loss(BF16, b))
+    assert not torch.equal(seen_loss(FP8, a), seen_loss(FP8, b))  # what the check would catch
+
+
 def test_an_all_zero_tensor_gets_a_finite_scale():
     x, w, c = torch.zeros(32, 64, dtype=torch.bfloat16), bf16(48, 64), bf16(32, 48)
     gm = joint(_linear, x, w, c, grad_of=(0, 1))

@@ -347,13 +347,17 @@ def test_the_pipeline_rewrites_a_copy_and_keeps_its_input():
     assert pipeline.run(gm, pipeline.Options(), passes=())[0] is gm  # nothing applies: no copy
 
 
-def test_lower_shows_each_stage():
+def _fused_linear_step():
     model = torch.nn.Linear(4, 2)
     step = fsg.compile_step(
         lambda p, b: ((fsg.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=fsg.optim.adamw(1e-2),
         fused_optimizer=True, backend="eager",
     )  # fmt: skip
-    state = step.init(fsg.params(model))
+    return step, step.init(fsg.params(model))
+
+
+def test_lower_shows_each_stage():
+    step, state = _fused_linear_step()
     lowered = step.lower(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
     assert set(lowered.stages) == {"traced", "optimized"}
     assert "fused_adamw" in lowered.as_text() and "fused_adamw" not in lowered.as_text("traced")
@@ -365,12 +369,7 @@ def test_lower_shows_each_stage():
 def test_the_stage_3_log_line_reports_each_pass_in_a_few_words(caplog):
     """Each pass's result is a count or a short summary, never a graph: the fused step's INFO
     line once carried strip_markers' whole GraphModule (thousands of lines at GPT-2 sizes)."""
-    model = torch.nn.Linear(4, 2)
-    step = fsg.compile_step(
-        lambda p, b: ((fsg.apply(model, p, b["x"]) - b["y"]) ** 2).mean(), optimizer=fsg.optim.adamw(1e-2),
-        fused_optimizer=True, backend="eager",
-    )  # fmt: skip
-    state = step.init(fsg.params(model))
+    step, state = _fused_linear_step()
     with caplog.at_level("INFO", logger="fsg"):
         step(state, {"x": torch.randn(8, 4), "y": torch.randn(8, 2)})
     [line] = [r.getMessage() for r in caplog.records if "stage 3:" in r.getMessage()]

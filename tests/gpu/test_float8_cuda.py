@@ -23,8 +23,10 @@ from tests.test_float8 import (
     emulated_mm,
     emulated_rowwise_mm,
     joint,
+    leak_batches,
     nodes,
     rewrite,
+    seen_loss,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,3 +122,15 @@ def test_gpt_fp8_step_with_autocast_or_casts_and_fp16(autocast):
         for b in _cuda(_gpt_batches(5)):
             state, metrics = step(state, b)
         assert math.isfinite(float(metrics["loss"]))
+
+
+@needs_fp8
+def test_the_rowwise_step_under_inductor_stays_causal():
+    """The CPU property (tests/test_float8.py) through Inductor, cuBLASLt's and the rowwise
+    kernel's scale layouts: tokens the loss does not see leave it bit for bit unchanged. A scale
+    read with the wrong layout (a row's scale applied to a column) would leak other tokens'
+    amaxes into the output, and show here as a different loss."""
+    a, b = leak_batches()
+    rowwise = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+    for policy in (BF16, rowwise):
+        assert torch.equal(seen_loss(policy, a, "cuda", "inductor"), seen_loss(policy, b, "cuda", "inductor"))
