@@ -1,0 +1,143 @@
+"""How a matmul becomes an FP8 ``_scaled_mm`` (the graph ops of ``passes/float8.py``'s rewrite).
+
+``Quantizer`` inserts, before a matmul, the scale and FP8 cast of each operand and the
+``_scaled_mm`` that replaces it: tensorwise (one scale per tensor, its other layout a
+transposed copy of the one cast) or rowwise (a scale per row along the contracted dim). Each
+tensor's scale and casts are built once and reused by every matmul that reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private
+
+aten = torch.ops.aten
+ADDMM, SCALED_MM = aten.addmm.default, aten._scaled_mm.default
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-12  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
+_ALIASES = (aten.detach.default, aten.alias.default)
+_DENSE = {"memory_format": torch.contiguous_format}
+
+
+def peel(node: fx.Node) -> tuple[fx.Node, bool]:
+    """The 2-D tensor a matmul operand reads through aliases and transposes, and whether the
+    operand is its transpose."""
+    transposed = False
+    while node.op == "call_function":
+        if node.target in _ALIASES:
+            node = node.args[0]
+        elif node.target is aten.t.default or (
+            node.target is aten.transpose.int and node.args[1] % 2 != node.args[2] % 2
+        ):
+            node, transposed = node.args[0], not transposed  # (the operands are 2-D: dims mod 2)
+        else:
+            break
+    return node, transposed
+
+
+def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    if node.target is ADDMM:
+        return node.args[1], node.args[2], node.args[0]
+    return node.args[0], node.args[1], None
+
+
+class Quantizer:
+    """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
+
+    def __init__(self, graph: fx.Graph, rowwise: bool = False) -> None:
+        self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
+        # tensorwise: (t, dtype) -> (scale, 1/scale); rowwise: (t, flip, dtype) -> 1/scale
+        self.scales: dict[tuple, Any] = {}
+        self.casts: dict[tuple[fx.Node, bool, torch.dtype], fx.Node] = {}
+
+    def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs or {})
+
+        def fake(a: Any) -> Any:
+            if not isinstance(a, fx.Node):
+                return a
+            v = a.meta["val"]
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+
+        with self.mode:
+            node.meta["val"] = target(*fx.node.map_aggregate(args, fake), **fx.node.map_aggregate(kwargs or {}, fake))
+        return node
+
+    def scale(self, t: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
+        """``fp8_max / max(amax(t), eps)`` in float32, and its reciprocal (``_scaled_mm``'s scale)."""
+        if (t, dtype) not in self.scales:
+            amax = self.call(aten.max.default, (self.call(aten.abs.default, (t,)),))
+            amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
+            inv_amax = self.call(aten.reciprocal.default, (self.call(aten.clamp_min.default, (amax, EPS)),))
+            scale = self.call(aten.mul.Tensor, (inv_amax, torch.finfo(dtype).max))
+            self.scales[(t, dtype)] = (scale, self.call(aten.reciprocal.default, (scale,)))
+        return self.scales[(t, dtype)]
+
+    def operand(self, t: fx.Node, transposed: bool, dtype: torch.dtype, second: bool) -> tuple[fx.Node, fx.Node]:
+        """The FP8 operand for ``t`` (or its transpose): row-major as ``_scaled_mm``'s first
+        operand, column-major (the transpose of a row-major cast) as its second; and its
+        inverse scale. ``t`` is cast once; its other layout is a transposed copy of that cast
+        (the same values: one scale per tensor), which reads one byte an element instead of
+        two and lets the backward keep the FP8 copy instead of ``t``."""
+        flip = transposed != second  # the row-major copy needed is of t's transpose
+        if self.rowwise:
+            return self.rowwise_operand(t, flip, dtype, second)
+        scale, inv = self.scale(t, dtype)
+        if (t, flip, dtype) not in self.casts:
+            if (other := self.casts.get((t, not flip, dtype))) is not None:
+                cast = self.call(aten.clone.default, (self.call(aten.t.default, (other,)),), _DENSE)
+            else:
+                fp8_max, wide = torch.finfo(dtype).max, self.call(aten.t.default, (t,)) if flip else t
+                wide = self.call(aten._to_copy.default, (wide,), {"dtype": torch.float32})
+                scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
+                cast = self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
+            self.casts[(t, flip, dtype)] = cast
+        cast = self.casts[(t, flip, dtype)]
+        return (self.call(aten.t.default, (cast,)) if second else cast), inv
+
+    def rowwise_operand(self, t: fx.Node, flip: bool, dtype: torch.dtype, second: bool) -> tuple[fx.Node, fx.Node]:
+        """The rowwise FP8 operand: ``R`` (``t`` or its transpose, row-major, each row one dot
+        product's run along the contracted dim) scaled row by row, ``scale = fp8_max /
+        max(amax(|R|, dim=1), eps)``, and the inverse scales as ``_scaled_mm`` takes them:
+        ``[M, 1]`` for the first operand, ``[1, N]`` (the second's columns) for the second.
+        Each row's amax is a reduction over one row, so the cast needs no pass over the whole
+        tensor first and can run in the kernel that produces the row."""
+        if (t, flip, dtype) not in self.casts:
+            rows = self.call(aten.t.default, (t,)) if flip else t
+            amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
+            amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
+            fp8_max = torch.finfo(dtype).max
+            scale = self.call(aten.mul.Tensor, (self.call(aten.reciprocal.default,
+                              (self.call(aten.clamp_min.default, (amax, EPS)),)), fp8_max))  # fmt: skip
+            wide = self.call(aten._to_copy.default, (rows,), {"dtype": torch.float32})
+            scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
+            cast = self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
+            self.casts[(t, flip, dtype)] = cast
+            self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))
+        cast, inv = self.casts[(t, flip, dtype)], self.scales[(t, flip, dtype)]
+        if second:
+            return self.call(aten.t.default, (cast,)), self.call(aten.t.default, (inv,))
+        return cast, inv
+
+    def matmul(self, node: fx.Node, grads: tuple[bool, bool], fast: bool) -> fx.Node:
+        """``node`` (mm or addmm) as ``_scaled_mm``; ``grads`` says which operands are gradients."""
+        a, b, bias = operands(node)
+        out_dtype = node.meta["val"].dtype
+        with self.graph.inserting_before(node):
+            grad_dtype = E4M3 if self.rowwise else E5M2  # rowwise: a scale per row covers the range
+            qa, inv_a = self.operand(*peel(a), grad_dtype if grads[0] else E4M3, second=False)
+            qb, inv_b = self.operand(*peel(b), grad_dtype if grads[1] else E4M3, second=True)
+            fused = bias is not None and bias.meta["val"].shape == node.meta["val"].shape[-1:]
+            fused = fused and bias.meta["val"].dtype == out_dtype  # cuBLASLt's epilogue: a [N] bias of the output dtype
+            kwargs = {"bias": bias if fused else None, "out_dtype": out_dtype, "use_fast_accum": fast}
+            out = self.call(SCALED_MM, (qa, qb, inv_a, inv_b), kwargs)
+            if bias is not None and not fused:
+                out = self.call(aten.add.Tensor, (out, bias))
+        out.meta = {**node.meta, "val": out.meta["val"]}
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+        return out
