@@ -70,17 +70,27 @@ class Quantizer:
     def scale(self, t: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
         """``fp8_max / max(amax(t), eps)`` in float32, and its reciprocal (``_scaled_mm``'s scale)."""
         if (t, dtype) not in self.scales:
-            amax = self.call(aten.max.default, (self.call(aten.abs.default, (t,)),))
-            amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
-            inv_amax = self.call(aten.reciprocal.default, (self.call(aten.clamp_min.default, (amax, EPS)),))
-            scale = self.call(aten.mul.Tensor, (inv_amax, torch.finfo(dtype).max))
+            scale = self.scale_of(self.call(aten.max.default, (self.call(aten.abs.default, (t,)),)), dtype)
             self.scales[(t, dtype)] = (scale, self.call(aten.reciprocal.default, (scale,)))
         return self.scales[(t, dtype)]
+
+    def scale_of(self, amax: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """``fp8_max / max(amax, eps)`` in float32 (``amax`` a scalar or a column of row maxima)."""
+        amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
+        inv_amax = self.call(aten.reciprocal.default, (self.call(aten.clamp_min.default, (amax, EPS)),))
+        return self.call(aten.mul.Tensor, (inv_amax, torch.finfo(dtype).max))
+
+    def cast(self, t: fx.Node, scale: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """``saturate(t * scale)`` in ``dtype``, row-major (the multiply in float32)."""
+        fp8_max, wide = torch.finfo(dtype).max, self.call(aten._to_copy.default, (t,), {"dtype": torch.float32})
+        scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
+        return self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
 
     def operand(self, t: fx.Node, transposed: bool, dtype: torch.dtype, second: bool) -> tuple[fx.Node, fx.Node]:
         """The FP8 operand for ``t`` (or its transpose): row-major as ``_scaled_mm``'s first
         operand, column-major (the transpose of a row-major cast) as its second; and its
-        inverse scale. ``t`` is cast once; its other layout is a transposed copy of that cast
+        inverse scale (rowwise: ``rowwise_operand``). Tensorwise, ``t`` is cast once; its
+        other layout is a transposed copy of that cast
         (the same values: one scale per tensor), which reads one byte an element instead of
         two and lets the backward keep the FP8 copy instead of ``t``."""
         flip = transposed != second  # the row-major copy needed is of t's transpose
@@ -91,10 +101,7 @@ class Quantizer:
             if (other := self.casts.get((t, not flip, dtype))) is not None:
                 cast = self.call(aten.clone.default, (self.call(aten.t.default, (other,)),), _DENSE)
             else:
-                fp8_max, wide = torch.finfo(dtype).max, self.call(aten.t.default, (t,)) if flip else t
-                wide = self.call(aten._to_copy.default, (wide,), {"dtype": torch.float32})
-                scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
-                cast = self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
+                cast = self.cast(self.call(aten.t.default, (t,)) if flip else t, scale, dtype)
             self.casts[(t, flip, dtype)] = cast
         cast = self.casts[(t, flip, dtype)]
         return (self.call(aten.t.default, (cast,)) if second else cast), inv
@@ -108,15 +115,8 @@ class Quantizer:
         tensor first and can run in the kernel that produces the row."""
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
-            amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
-            amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
-            fp8_max = torch.finfo(dtype).max
-            scale = self.call(aten.mul.Tensor, (self.call(aten.reciprocal.default,
-                              (self.call(aten.clamp_min.default, (amax, EPS)),)), fp8_max))  # fmt: skip
-            wide = self.call(aten._to_copy.default, (rows,), {"dtype": torch.float32})
-            scaled = self.call(aten.clamp.default, (self.call(aten.mul.Tensor, (wide, scale)), -fp8_max, fp8_max))
-            cast = self.call(aten._to_copy.default, (scaled,), {"dtype": dtype, **_DENSE})
-            self.casts[(t, flip, dtype)] = cast
+            scale = self.scale_of(self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype)
+            self.casts[(t, flip, dtype)] = self.cast(rows, scale, dtype)
             self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))
         cast, inv = self.casts[(t, flip, dtype)], self.scales[(t, flip, dtype)]
         if second:
