@@ -303,6 +303,38 @@ def test_rowwise_numerics_match_the_emulation_and_fp8_rounding_row_by_row(case):
         assert float(excess.max()) <= 1e-30, float(excess.max())
 
 
+def _weight_first(x, w, c):  # y^T = w @ x^T: the weight as the first operand
+    y = (w @ x.t()).t()
+    return (y.float() * c.float()).sum(), y
+
+
+def _with_bias(x, w, c):  # addmm: the bias through _scaled_mm's epilogue
+    y = F.linear(x, w, torch.full((w.shape[0],), 0.5, dtype=x.dtype))
+    return (y.float() * c.float()).sum(), y
+
+
+@pytest.mark.parametrize("form, want_y", [
+    (_weight_first, lambda x, w: emulated_rowwise_mm(w, x.t()).t()),
+    (_with_bias, lambda x, w: (emulated_rowwise_mm(x, w.t()).float() + 0.5).to(torch.bfloat16)),
+])  # fmt: skip
+def test_rowwise_scales_follow_each_operands_role_in_every_form_of_a_linear_layer(form, want_y):
+    """Whichever operand the weight is, A's rows and B's columns get the scales: the weight-first
+    form scales W per output channel and X^T per token (its columns), and a bias still adds once."""
+    x, w, c = bf16(64, 96), bf16(48, 96, seed=1), bf16(64, 48, seed=2)
+    gm = joint(form, x, w, c, grad_of=(0, 1))
+    assert rewrite(gm, {1: "w"}, ROWWISE) == "2 of 3 matmuls in FP8"
+    _, y, gx, gw = gm(x, w, c)
+    want = want_y(x, w)
+    torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.float().abs().max()))
+    exact = (x.float() @ w.float().t()).to(torch.bfloat16)
+    torch.testing.assert_close(gw.float(), (c.t().float() @ x.float()), rtol=1e-2, atol=1e-2)  # bf16 grad-weight
+    assert float((y.float() - exact.float() - (0.5 if form is _with_bias else 0.0)).abs().max()) < 0.1 * float(
+        exact.float().abs().max()
+    )
+    exact_gx = c.float() @ w.float()
+    assert float((gx.float() - exact_gx).abs().max()) < 0.1 * float(exact_gx.abs().max())
+
+
 def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns():
     batches = _gpt_batches(20)
     bf16_losses = _train(*_gpt_step(BF16), batches)
