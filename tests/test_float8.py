@@ -535,10 +535,10 @@ def test_bad_config_is_an_argument_error_naming_the_field(make, match):
         fsg.compile_step(lambda p, b: p["w"].sum(), optimizer=fsg.optim.sgd(0.1), precision=policy)
 
 
-def test_float8_on_a_mesh_is_refused_until_it_is_built():
-    with pytest.raises(UnsupportedError, match="on a mesh is not built yet"):
-        float8_pass.plan(fsg.Float8(), None, None, on_mesh=True)
-    assert float8_pass.plan(None, None, None, on_mesh=True) is None
+def test_tensorwise_float8_on_a_mesh_is_refused():
+    with pytest.raises(UnsupportedError, match="one scale per tensor would be each rank's own"):
+        float8_pass.plan(fsg.Float8(), None, None, shard_plan=object())
+    assert float8_pass.plan(None, None, None, shard_plan=object()) is None
 
 
 def test_the_config_is_part_of_the_policy():

@@ -22,6 +22,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import fx
+from torch.distributed.tensor import Replicate, Shard
 
 from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
@@ -52,15 +53,14 @@ class Float8Plan(NamedTuple):
     loss_output: int
 
 
-def plan(config: Float8 | None, state: Any, traced: Any, *, on_mesh: bool) -> Float8Plan | None:
+def plan(config: Float8 | None, state: Any, traced: Any, *, shard_plan: Any = None) -> Float8Plan | None:
     """The pass's plan for a traced step (``None`` without ``Policy(matmul=...)``); raises
-    ``UnsupportedError`` where FP8 matmuls are not built (a mesh) or cannot run (a GPU without
-    FP8 tensor cores)."""
+    ``UnsupportedError`` where the FP8 step would not equal the unsharded one (``check_mesh``)
+    or cannot run (a GPU without FP8 tensor cores)."""
     if config is None:
         return None
-    if on_mesh:
-        raise UnsupportedError("Policy(matmul=fsg.Float8()) on a mesh is not built yet (issue 18: scales would be "
-                               "per rank, FP8 all-gathers are planned); use it on one device or drop matmul=")  # fmt: skip
+    if shard_plan is not None:
+        check_mesh(config, state, shard_plan)
     device = state.step.device
     if device.type == "cuda" and (cc := torch.cuda.get_device_capability(device)) < (8, 9):
         raise UnsupportedError(f"Policy(matmul=fsg.Float8()) needs FP8 tensor cores (compute capability 8.9+: Ada, "
@@ -76,6 +76,30 @@ def plan(config: Float8 | None, state: Any, traced: Any, *, on_mesh: bool) -> Fl
         names = [keys.get(id(p), name) for p, name in zip(params, names)]
     first = 0 if traced.donate else traced.num_state_leaves  # without donation the new state comes first
     return Float8Plan(config, dict(zip(positions, names)), first + traced.metric_names.index("loss"))
+
+
+def check_mesh(config: Float8, state: Any, shard_plan: Any) -> None:
+    """FP8 on a mesh where each rank's matmuls see whole rows: rowwise, every parameter whole
+    at compute time (replicated, or gathered as FSDP does) and every batch leaf split along
+    dim 0 only. Then a rank's rows and weight channels are the unsharded step's, so are their
+    scales, and the sharded step equals the unsharded one. Anything else raises
+    ``UnsupportedError`` naming what breaks it."""
+    if config.recipe != "rowwise":
+        raise UnsupportedError("Policy(matmul=fsg.Float8(recipe='tensorwise')) on a mesh is not built: one scale per "
+                               "tensor would be each rank's own, not the global batch's. Use Float8(recipe='rowwise'), "
+                               "whose scales are per row, or one device")  # fmt: skip
+    names = tree.leaf_paths(state.params, "params")
+    for i, name in enumerate(names):
+        if any(not isinstance(p, Replicate) for p in shard_plan.compute_placements(i)):
+            raise UnsupportedError(f"Float8(recipe='rowwise') on a mesh: {name} is sharded where it is used "
+                                   f"({shard_plan.compute_placements(i)}: tensor parallel), so a row's scale would see "
+                                   "only part of it. FP8 runs with data parallel and FSDP; drop matmul= under tensor "
+                                   "parallelism")  # fmt: skip
+    for i, placements in enumerate(shard_plan.batch_placements):
+        if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
+            raise UnsupportedError(f"Float8(recipe='rowwise') on a mesh: batch leaf {i} is split along a dim other "
+                                   f"than 0 ({placements}), so a row's scale would see only part of it. Shard the "
+                                   "batch along its leading dim only")  # fmt: skip
 
 
 def _param_of(node: fx.Node, names: dict[fx.Node, str]) -> str | None:

@@ -80,7 +80,7 @@ class Builder:
             state, batch, self._optimizer if adamw is None else fusion.stand_in(adamw.spec), adamw is not None
         )
         on_mesh = self._mesh is not None
-        fp8 = float8.plan(self._precision.matmul, state, graph.traced, on_mesh=on_mesh)
+        fp8 = float8.plan(self._precision.matmul, state, graph.traced, shard_plan=graph.plan)
         try:
             return self._optimize(
                 graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves, fp8)

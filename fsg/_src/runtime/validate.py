@@ -47,11 +47,12 @@ def check_compile_args(loss_fn: Any, mesh: Any, optimizer: Any, options: dict[st
                         fix="Name the axes in a spec, e.g. fsg.P('dp')")  # fmt: skip
     if options["precision"] is not None:
         check_policy(options["precision"])
-        if options["precision"].matmul is not None and mesh is not None and mesh.size > 1:
+        matmul = options["precision"].matmul
+        if matmul is not None and matmul.recipe != "rowwise" and mesh is not None and mesh.size > 1:
             raise UnsupportedError(
-                f"compile_step(mesh={mesh!r}, precision=fsg.Policy(matmul=fsg.Float8(...))): FP8 matmuls on a mesh "
-                f"are not built yet (issue 18: scales would be per rank; FP8 all-gathers are planned); use FP8 "
-                f"on one device, or drop matmul= on a mesh"
+                f"compile_step(mesh={mesh!r}, precision=fsg.Policy(matmul=fsg.Float8(recipe={matmul.recipe!r}))): "
+                f"one scale per tensor on a mesh would be each rank's own, not the global batch's; use "
+                f"fsg.Float8(recipe='rowwise') (data parallel and FSDP), FP8 on one device, or drop matmul="
             )
     checks.integer("compile_step(accum_steps=...)", options["accum_steps"], low=1,
                    fix="It is the number of microbatches per step; 1 means no accumulation")  # fmt: skip
