@@ -10,6 +10,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsg
@@ -539,6 +541,21 @@ def test_tensorwise_float8_on_a_mesh_is_refused():
     with pytest.raises(UnsupportedError, match="one scale per tensor would be each rank's own"):
         float8_pass.plan(fsg.Float8(), None, None, shard_plan=object())
     assert float8_pass.plan(None, None, None, shard_plan=object()) is None
+
+
+def _shard_plan(param, batch):
+    return SimpleNamespace(compute_placements=lambda i: param, batch_placements=(batch,))
+
+
+@pytest.mark.parametrize("param, batch, match", [
+    ((Shard(0),), (Shard(0),), r"params\['w'\] is sharded where it is used"),
+    ((Replicate(),), (Shard(1),), r"batch leaf 0 is split along a dim other than 0"),
+])  # fmt: skip
+def test_rowwise_on_a_mesh_is_refused_where_a_rank_would_see_part_of_a_row(param, batch, match):
+    state = SimpleNamespace(params={"w": torch.zeros(16, 16)})
+    with pytest.raises(UnsupportedError, match=match):
+        float8_pass.check_mesh(fsg.Float8(recipe="rowwise"), state, _shard_plan(param, batch))
+    float8_pass.check_mesh(fsg.Float8(recipe="rowwise"), state, _shard_plan((Replicate(),), (Shard(0), Replicate())))
 
 
 def test_the_config_is_part_of_the_policy():
