@@ -90,9 +90,10 @@ def check_mesh(config: Float8, state: Any, shard_plan: Any) -> None:
                                "whose scales are per row, or one device")  # fmt: skip
     names = tree.leaf_paths(state.params, "params")
     for i, name in enumerate(names):
-        if any(not isinstance(p, Replicate) for p in shard_plan.compute_placements(i)):
+        placements = shard_plan.compute_placements(i)
+        if any(not isinstance(p, Replicate) for p in placements):
             raise UnsupportedError(f"Float8(recipe='rowwise') on a mesh: {name} is sharded where it is used "
-                                   f"({shard_plan.compute_placements(i)}: tensor parallel), so a row's scale would see "
+                                   f"({placements}: tensor parallel), so a row's scale would see "
                                    "only part of it. FP8 runs with data parallel and FSDP; drop matmul= under tensor "
                                    "parallelism")  # fmt: skip
     for i, placements in enumerate(shard_plan.batch_placements):
