@@ -8,6 +8,7 @@ hypothesis-drawn shapes; and whole training runs against the bf16 step."""
 
 import logging
 import math
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -150,6 +151,18 @@ def test_layers_reading_one_activation_share_its_casts():
     torch.testing.assert_close(gm(x, wq, wk, c)[1].float(), emulated_mm(c[:, :48], wq, E5M2, E4M3).float() + emulated_mm(c[:, 48:], wk, E5M2, E4M3).float(), rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
+def kept_lines(caplog):
+    """What the pass logged about the matmuls it kept: the DEBUG lines (one a matmul) and, from
+    the INFO lines (one a reason), how many matmuls each names."""
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "stays in" in r.getMessage()]
+    counts = [
+        int(m.group(1))
+        for r in caplog.records
+        if r.levelno == logging.INFO and (m := re.search(r"float8: (\d+) matmuls? stays? in", r.getMessage()))
+    ]
+    return debug, counts
+
+
 @pytest.mark.parametrize(
     "shapes, dtype, params, reason",
     [
@@ -163,11 +176,12 @@ def test_matmuls_fp8_cannot_run_stay_and_are_logged(shapes, dtype, params, reaso
     c = torch.randn(shapes[0][0], shapes[1][0], dtype=dtype)
     gm = joint(_linear, x, w, c, grad_of=(0, 1))
     before = gm(x, w, c)
-    with caplog.at_level(logging.INFO, logger="fsg"):
+    with caplog.at_level(logging.DEBUG, logger="fsg"):
         assert rewrite(gm, params) == "0 of 3 matmuls in FP8"
     assert len(nodes(gm, aten.mm.default)) == 3 and not nodes(gm, aten._scaled_mm.default)
-    lines = [r.getMessage() for r in caplog.records if "float8" in r.getMessage()]
+    lines, counts = kept_lines(caplog)
     assert len(lines) == 3 and reason in lines[0], lines
+    assert sum(counts) == 3 and len(counts) <= 3, counts  # INFO: one line a reason, naming how many
     for got, want in zip(gm(x, w, c), before):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -426,15 +440,16 @@ def _gpt_batches(n):
 def test_gpt_step_graph_before_and_after(caplog):
     batch = _gpt_batches(1)[0]
     step, state = _gpt_step(FP8, fused_head=False)
-    with caplog.at_level(logging.INFO, logger="fsg"):
+    with caplog.at_level(logging.DEBUG, logger="fsg"):
         lowered = step.lower(state, batch)
     traced = lowered.as_text("traced")
     matmuls = traced.count("aten.mm.default(") + traced.count("aten.addmm.default(")
     assert matmuls == 27  # 8 linear layers and the head, 3 each
     counts = lowered.op_counts()
     assert counts["aten._scaled_mm"] == 24 and counts["aten.mm"] == 3 and "aten.addmm" not in counts
-    head = [r.getMessage() for r in caplog.records if "stays in" in r.getMessage()]
+    head, counts = kept_lines(caplog)
     assert len(head) == 3 and all("output head" in line for line in head), head
+    assert counts == [1, 2]  # INFO: the forward, then its two backward matmuls (one reason)
     assert sum("wte.weight" in line for line in head) == 2  # the head's backward names its (tied) weight
     step, state = _gpt_step(
         fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(keep_output_head=False)), fused_head=False
@@ -445,11 +460,12 @@ def test_gpt_step_graph_before_and_after(caplog):
 def test_filter_keeps_the_layers_it_refuses(caplog):
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(filter=lambda name: ".fc." not in name))
     step, state = _gpt_step(policy)
-    with caplog.at_level(logging.INFO, logger="fsg"):
+    with caplog.at_level(logging.DEBUG, logger="fsg"):
         counts = step.lower(state, _gpt_batches(1)[0]).op_counts()
     assert counts["aten._scaled_mm"] == 18 and counts["aten.mm"] + counts["aten.addmm"] == 6  # 2 fc layers x 3
-    lines = [r.getMessage() for r in caplog.records if "stays in" in r.getMessage()]
+    lines, per_reason = kept_lines(caplog)
     assert len(lines) == 6 and all("blocks.0.fc.weight" in s or "blocks.1.fc.weight" in s for s in lines), lines
+    assert sorted(per_reason) == [1, 1, 2, 2], per_reason  # INFO: each layer's forward, and its backward pair
     kept = [n for n in step.lower(state, _gpt_batches(1)[0]).graph_module.graph.nodes if "mm.default" in str(n.target)]
     kept = {tuple(n.meta["val"].shape) for n in kept if "scaled" not in str(n.target)}
     assert kept == {(128, 256), (128, 64), (256, 64)}  # fc's forward, grad-input and grad-weight: 64 -> 256

@@ -10,8 +10,9 @@ the graph (``passes/float8_quantize.py``): tensorwise, ``scale = fp8_max / max(m
 per tensor, ``X`` and ``W`` in ``float8_e4m3fn``, ``dY`` in ``float8_e5m2``, all three matmuls;
 or rowwise, a scale per row along the contracted dim, e4m3 throughout, the forward and the
 grad-input only (the grad-weight stays in the compute dtype). A matmul that cannot
-or should not run in FP8 stays as it was and gets one INFO line on the ``fsg`` logger saying
-why (docs/precision.md#fp8).
+or should not run in FP8 stays as it was; the ``fsg`` logger says why, at INFO one line per
+reason (naming the first matmuls and how many), at DEBUG one line per matmul
+(docs/precision.md#fp8).
 """
 
 from __future__ import annotations
@@ -160,6 +161,17 @@ def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
     return None
 
 
+def _stay(n: int) -> str:
+    return "1 matmul stays" if n == 1 else f"{n} matmuls stay"
+
+
+def _listing(which: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``which``, and how many more (the ``fsg`` logger's DEBUG level
+    names each)."""
+    more = len(which) - shown
+    return ", ".join(which[:shown]) + (f" and {more} more (DEBUG lists each)" if more > 0 else "")
+
+
 def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
     """Rewrites the selected matmuls of ``gm`` in place (see the module docstring); returns a
     summary for the stage-3 log."""
@@ -208,6 +220,7 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             roles[node] = (candidates, grads, saved is candidates[0].x)
     rowwise = at.config.recipe == "rowwise"
     quantizer, converted = Quantizer(graph, rowwise), 0
+    kept: dict[tuple[str, torch.dtype], list[str]] = {}  # (why, dtype) -> the matmuls that stay for it
     for node in matmuls:  # graph order: a tensor's scale and casts come before every reader
         why = _why_not_op(node, rowwise)
         if node in layers:
@@ -226,10 +239,13 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             why = why or "it is not part of a linear layer (no forward matmul reads its operand)"
         if why is not None:
             shapes = " x ".join(str(list(o.meta["val"].shape)) for o in node.all_input_nodes)
-            log.info("fsg: float8: %s (%s) stays in %s: %s", node.name, shapes, node.meta["val"].dtype, why)
+            log.debug("fsg: float8: %s (%s) stays in %s: %s", node.name, shapes, node.meta["val"].dtype, why)
+            kept.setdefault((why, node.meta["val"].dtype), []).append(f"{node.name} ({shapes})")
             continue
         quantizer.matmul(node, grads, fast)
         converted += 1
+    for (why, dtype), which in kept.items():  # one line a reason: a 1.3B GPT keeps 96 grad-weights for one
+        log.info("fsg: float8: %s in %s: %s: %s", _stay(len(which)), dtype, why, _listing(which))
     graph.eliminate_dead_code()
     gm.recompile()
     return f"{converted} of {len(matmuls)} matmuls in FP8"
