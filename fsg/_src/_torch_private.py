@@ -218,21 +218,27 @@ def trace_fake(
     )(*args)
 
 
-def functionalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def functionalize(
+    gm: torch.fx.GraphModule, decompositions: dict[Any, Callable[..., Any]] | None = None
+) -> torch.fx.GraphModule:
     """``gm`` traced again through torch's functionalization: every in-place op becomes its
     out-of-place form and a write to an input becomes one ``copy_`` into it at the end (the
     last value written), so the only writes left are that epilogue. Views stay views. Nodes
     keep their ``stack_trace`` (``preserve_node_meta``). Runs on the placeholders' fake
-    values: nothing is computed."""
+    values: nothing is computed. ``decompositions`` lowers the ops functionalization emits
+    (e.g. ``aten.copy`` for a write into a slice), as ``trace``'s do the traced ones."""
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(*args: Any) -> Any:
         with fx.traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
 
-    return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake", _allow_non_fake_inputs=True)(
-        *inputs
-    )
+    return make_fx(
+        torch.func.functionalize(run, remove="mutations"),
+        decomposition_table=decompositions or {},
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,
+    )(*inputs)
 
 
 def fake_mode() -> FakeTensorMode:

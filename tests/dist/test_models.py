@@ -1,18 +1,43 @@
 """Hugging Face models on a mesh equal the unsharded step (issue 21): GPT-2 (tied head,
 Conv1D) and Llama (grouped-query attention) under data parallel, FSDP and FSDP x tensor
-parallel, on gloo ranks."""
+parallel, and the whole family corpus of tests/models/hf_models.py under data parallel and
+FSDP, on gloo ranks."""
 
 import pytest
 
 pytest.importorskip("transformers")
 
 from tests.dist import model_workers  # noqa: E402
+from tests.models import hf_models  # noqa: E402
 
 
-@pytest.mark.parametrize("kind, preset", [("gpt2", "dp"), ("llama", "fsdp")])
-def test_hugging_face_models_on_two_ranks_match_unsharded(ranks, kind, preset):
-    ranks(2).run(model_workers.check_hf, kind, {"dp": 2}, preset)
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_every_hugging_face_family_on_two_ranks_matches_unsharded(ranks, preset):
+    """Two steps of each family (decoders with GQA, RMSNorm, rotary, ALiBi; encoders;
+    encoder-decoders; a ViT) sharded over two ranks equal the unsharded steps; one pool call
+    runs them all and reports every family that differs, not just the first."""
+    results = ranks(2).run(model_workers.check_hf_corpus, hf_models.KINDS, {"dp": 2}, preset)[0]
+    assert set(results) == set(hf_models.KINDS)
+    assert {k: error for k, (error, _) in results.items() if error != "ok"} == {}
 
 
-def test_hugging_face_gpt2_under_fsdp_and_tensor_parallel_matches_unsharded(ranks):
-    ranks(4).run(model_workers.check_hf, "gpt2", {"dp": 2, "tp": 2}, "fsdp_tp")
+# The families whose layer names fsg.sharding.tensor_parallel's defaults match (GPT-2's c_attn,
+# c_fc, c_proj; Llama's q/k/v/o_proj, gate/up/down_proj): there tensor parallelism shards
+# heads and the MLP, not nothing.
+TP_NAMED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+def test_tp_named_families_under_fsdp_and_tensor_parallel_match_unsharded(ranks):
+    results = ranks(4).run(model_workers.check_hf_corpus, TP_NAMED, {"dp": 2, "tp": 2}, "fsdp_tp")[0]
+    assert {k: error for k, (error, _) in results.items() if error != "ok"} == {}
+    assert all(sharded >= 4 for _, sharded in results.values()), results  # per layer: attention, MLP
+
+
+def test_a_write_into_a_slice_is_sharded_not_gathered(ranks):
+    """T5's and BART's ``shift_right`` (a write into a slice) on a mesh: torch's
+    functionalization turns it into ``aten.copy``, which DTensor has no rule for; stage 1
+    lowers it to ops that have rules, so the step equals the unsharded one with no input
+    gathered and no ``ShardingFallbackWarning``."""
+    caught, copies = ranks(2).run(model_workers.check_slice_write, {"dp": 2})[0]
+    assert "ShardingFallbackWarning" not in caught
+    assert copies == 0

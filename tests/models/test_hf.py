@@ -1,5 +1,5 @@
 """Hugging Face models go through compile_step unchanged: 5 steps equal eager PyTorch with
-torch.optim.AdamW (issue 21)."""
+torch.optim.AdamW (issue 21), over a corpus of 20 families (tests/models/hf_models.py)."""
 
 import copy
 
@@ -12,24 +12,34 @@ pytest.importorskip("transformers")
 
 from tests.models import hf_models  # noqa: E402
 
+LR, STEPS = 1e-3, 5
+
 
 @pytest.mark.parametrize("kind", hf_models.KINDS)
 def test_five_steps_equal_eager_pytorch_with_adamw(kind):
     model = hf_models.make(kind)
     reference = copy.deepcopy(model)
     step = fsg.compile_step(
-        hf_models.loss_fn(model), optimizer=fsg.optim.adamw(1e-3, b2=0.95, weight_decay=0.1), backend="eager"
+        hf_models.loss_fn(model), optimizer=fsg.optim.adamw(LR, b2=0.95, weight_decay=0.1), backend="eager"
     )
     state = step.init(fsg.params(model))
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    for i, batch in enumerate(hf_models.batches(5)):
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    named = dict(reference.named_parameters())  # tied weights appear once, as in fsg.params
+    largest_grad = dict.fromkeys(named, 0.0)
+    for i, batch in enumerate(hf_models.batches(STEPS, kind=kind)):
         state, metrics = step(state, batch)
         opt.zero_grad()
-        loss = reference(input_ids=batch["ids"], labels=batch["ids"]).loss
+        loss = reference(**batch).loss
         loss.backward()
+        for name, p in named.items():
+            largest_grad[name] = max(largest_grad[name], float(p.grad.abs().max()))
         opt.step()
         torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i + 1}")
-    named = dict(reference.named_parameters())  # tied weights appear once, as in fsg.params
     assert sorted(state.params) == sorted(named)
     for name, value in state.params.items():
+        if largest_grad[name] < 1e-6:
+            # Zero in exact arithmetic (a key projection's bias: softmax ignores a constant per
+            # query), so AdamW normalizes rounding noise on both sides: bounded by its step size.
+            assert float((value - named[name].detach()).abs().max()) <= 2 * LR * STEPS, name
+            continue
         torch.testing.assert_close(value, named[name].detach(), rtol=1e-4, atol=1e-5, msg=name)

@@ -66,7 +66,8 @@ def mesh_decompositions() -> dict[Any, Callable[..., Any]]:
         for op, fn in candidates.items()
         if isinstance(op, _torch_private.OpOverload) and (op in DISTRUSTED or not _torch_private.dtensor_has_rule(op))
     }
-    return {**table, **SHIFTS}
+    copies = {op: fn for op, fn in COPIES.items() if not _torch_private.dtensor_has_rule(op)}
+    return {**table, **SHIFTS, **copies}
 
 
 # ``x >> k`` and ``x << k``: torch 2.13's DTensor takes ``aten.__rshift__`` / ``__lshift__`` for
@@ -78,6 +79,21 @@ SHIFTS = {
     _aten.__lshift__.Scalar: lambda x, k: _aten.bitwise_left_shift.Tensor_Scalar(x, k),
     _aten.__lshift__.Tensor: lambda x, k: _aten.bitwise_left_shift.Tensor(x, k),
 }
+
+
+def _functional_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy(self, src)``: ``src`` in ``self``'s dtype and device, broadcast to its shape."""
+    placed = {"dtype": self.dtype} if src.device == self.device else {"dtype": self.dtype, "device": self.device}
+    out = _aten._to_copy.default(src, **placed)
+    return out if out.shape == self.shape else _aten.expand.default(out, list(self.shape)).clone()
+
+
+# ``aten.copy`` (the functional op): what torch's functionalization makes of a write into a view,
+# such as T5's and BART's ``shifted[..., 1:] = labels[..., :-1]``. It is emitted when stage 1
+# re-traces a step with in-place writes (``trace/epilogue.py``), after the tables above were
+# applied, and DTensor has no rule for it: it ran replicated on gathered inputs. The re-trace
+# lowers it with this, to ops that have rules.
+COPIES = {_aten.copy.default: _functional_copy}
 
 
 # Scans along a dim: DTensor's rules run them on each shard of a dim sharded along the scan

@@ -20,11 +20,12 @@ from fsg._src import _torch_private, graph_facts
 from fsg._src.errors import PassInvariantError
 
 
-def functionalize(gm: fx.GraphModule, *, donate: bool) -> fx.GraphModule:
-    """``gm`` with every write in its epilogue (functionalized by torch where needed), its
-    epilogue copies folded, and (with donation) the copies of buffers never written dropped."""
+def functionalize(gm: fx.GraphModule, *, donate: bool, decompositions: dict | None = None) -> fx.GraphModule:
+    """``gm`` with every write in its epilogue (functionalized by torch where needed, the ops
+    that emits lowered by ``decompositions``), its epilogue copies folded, and (with
+    donation) the copies of buffers never written dropped."""
     if first_stray_write(gm) is not None:
-        gm = _torch_private.functionalize(gm)
+        gm = _torch_private.functionalize(gm, decompositions)
         _fold_copies(gm)
     if donate:
         _drop_unwritten_copies(gm)

@@ -265,6 +265,6 @@ def trace(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
-    gm = epilogue.functionalize(gm, donate=donate)
+    gm = epilogue.functionalize(gm, donate=donate, decompositions=decompositions)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)
