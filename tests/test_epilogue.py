@@ -70,7 +70,7 @@ def test_in_place_modules_trace_to_an_epilogue_and_equal_eager(make, donate, ski
 def test_a_step_that_writes_nothing_in_place_is_not_traced_again(monkeypatch):
     calls = []
     real = _torch_private.functionalize
-    monkeypatch.setattr(_torch_private, "functionalize", lambda gm: calls.append(gm) or real(gm))
+    monkeypatch.setattr(_torch_private, "functionalize", lambda gm, *rest: calls.append(gm) or real(gm, *rest))
     model = mlp()
     step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-3), backend="eager")
     traced = step.lower(step.init(fsg.params(model)), regression_batch()).stages["traced"]
