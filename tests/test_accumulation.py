@@ -58,3 +58,27 @@ def test_a_0d_batch_leaf_is_a_batch_leaf_without_accumulation_and_an_error_with_
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), accum_steps=2, backend="aot_eager")
     with pytest.raises(fsg.BatchError, match=r"batch\['w'\] has a 0-d tensor, which accum_steps=2 cannot split"):
         step(step.init(fsg.params(model)), batch)
+
+
+def test_microbatch_leaves_are_contiguous_as_a_users_batch_is():
+    """A loss may ``.view`` its inputs, as Hugging Face's losses do (``labels.view(-1)``): each
+    microbatch leaf arrives contiguous, as the batch a user passes would, whatever rows it
+    holds; the step still equals the full-batch step."""
+    model = mlp()
+    seen = []
+
+    def loss_fn(params, batch):
+        seen.append({k: v.is_contiguous() for k, v in batch.items()})
+        out = fsg.apply(model, params, batch["x"])
+        return ((out.view(-1) - batch["y"].view(-1)) ** 2).mean()
+
+    results = []
+    for accum_steps in (1, 4):
+        step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), accum_steps=accum_steps, backend="eager")
+        state, metrics = step(step.init(fsg.params(model)), regression_batch(n=16))
+        results.append((state, metrics["loss"]))
+    assert seen and all(all(v.values()) for v in seen)
+    (full, full_loss), (accum, accum_loss) = results
+    assert float(accum_loss) == pytest.approx(float(full_loss), rel=1e-6)
+    for k in full.params:
+        assert rel_err(accum.params[k], full.params[k]) < 1e-5, k

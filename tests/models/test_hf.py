@@ -43,3 +43,22 @@ def test_five_steps_equal_eager_pytorch_with_adamw(kind):
             assert float((value - named[name].detach()).abs().max()) <= 2 * LR * STEPS, name
             continue
         torch.testing.assert_close(value, named[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind", hf_models.KINDS)
+def test_accumulated_step_equals_the_full_batch_step(kind):
+    """``accum_steps=2`` on each family's own loss (a mean over equal microbatches: every
+    token, or every image, counts alike) equals the full-batch step; the losses ``.view``
+    their labels, so each microbatch must arrive as a contiguous batch."""
+    model = hf_models.make(kind)
+    batch = hf_models.batches(1, kind=kind)[0]
+    results = []
+    for accum_steps in (1, 2):
+        step = fsg.compile_step(
+            hf_models.loss_fn(model), optimizer=fsg.optim.sgd(0.1), accum_steps=accum_steps, backend="eager"
+        )
+        results.append(step(step.init(fsg.params(model)), batch))
+    (full, full_metrics), (accum, accum_metrics) = results
+    torch.testing.assert_close(accum_metrics["loss"], full_metrics["loss"], rtol=1e-5, atol=1e-6)
+    for name, value in accum.params.items():
+        torch.testing.assert_close(value, full.params[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -69,11 +69,13 @@ def microbatches(batch: Any, accum_steps: int) -> list[Any]:
 
     Microbatch j takes rows j, j + k, j + 2k, ... (k = ``accum_steps``), written as a view
     ``[B/k, k, ...]`` and a select: each rank's contiguous rows of a batch sharded on dim 0
-    stay on that rank, so splitting moves no data.
+    stay on that rank, so splitting moves no data. Each leaf is then made contiguous, as a
+    batch a user passes is: losses call ``.view`` on their inputs (Hugging Face's
+    ``labels.view(-1)``), which a strided select would refuse.
     """
     if accum_steps == 1:
         return [batch]
-    return [tree.tree_map(lambda x, j=j: x.unflatten(0, (x.shape[0] // accum_steps, accum_steps)).select(1, j), batch)
+    return [tree.tree_map(lambda x, j=j: x.unflatten(0, (x.shape[0] // accum_steps, accum_steps)).select(1, j).contiguous(), batch)
             for j in range(accum_steps)]  # fmt: skip
 
 
