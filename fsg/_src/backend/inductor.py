@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.backend import index_put
+from fsg._src.backend import index_put, views
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -92,9 +92,9 @@ class InductorStep:
     """
 
     def __init__(self, gm: fx.GraphModule):
-        if rng_state_nodes(gm) or index_put.has_any(gm):
-            gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
+        gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
         self._num_outputs = keep_rng_state_alive(gm)
+        views.views_as_reshapes(gm)
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
             log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
         self._gm = gm
