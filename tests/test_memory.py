@@ -79,9 +79,12 @@ def test_accumulating_two_microbatches_halves_the_activations():
     halves, _, _ = mlp_step(2, 32, 64, accum_steps=2)
     a, b = whole.memory(), halves.memory()
     assert (b.state, b.batch) == (a.state, a.batch)
-    # one microbatch's activations, plus the first microbatch's loss (a scalar) kept for the mean
-    assert b.activations == F32 * (2 * 32 * 32 + 32 * D_OUT + 1) + F32
-    assert b.activations == pytest.approx(a.activations / 2, rel=0.01)
+    # one microbatch's activations, plus the first microbatch's loss (a scalar) kept for the mean,
+    # plus the microbatch's input rows: a contiguous copy of them (as a user's batch would be),
+    # which the first layer's grad-weight reads
+    rows = F32 * 32 * D_IN
+    assert b.activations == F32 * (2 * 32 * 32 + 32 * D_OUT + 1) + F32 + rows
+    assert b.activations - rows == pytest.approx(a.activations / 2, rel=0.01)
 
 
 def test_donation_does_not_change_what_the_inputs_hold():

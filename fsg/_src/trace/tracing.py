@@ -9,7 +9,7 @@ returns only the metrics; without, it returns the new state leaves, then the met
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import fx
@@ -64,8 +64,9 @@ def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[
     return loss, aux
 
 
-def microbatches(batch: Any, accum_steps: int) -> list[Any]:
-    """``batch`` split into ``accum_steps`` microbatches along dim 0.
+def microbatches(batch: Any, accum_steps: int) -> Iterator[Any]:
+    """``batch`` split into ``accum_steps`` microbatches along dim 0, each made when it is
+    asked for (so a traced microbatch's copies come after the previous one's backward).
 
     Microbatch j takes rows j, j + k, j + 2k, ... (k = ``accum_steps``), written as a view
     ``[B/k, k, ...]`` and a select: each rank's contiguous rows of a batch sharded on dim 0
@@ -74,9 +75,9 @@ def microbatches(batch: Any, accum_steps: int) -> list[Any]:
     ``labels.view(-1)``), which a strided select would refuse.
     """
     if accum_steps == 1:
-        return [batch]
-    return [tree.tree_map(lambda x, j=j: x.unflatten(0, (x.shape[0] // accum_steps, accum_steps)).select(1, j).contiguous(), batch)
-            for j in range(accum_steps)]  # fmt: skip
+        return iter([batch])
+    return (tree.tree_map(lambda x, j=j: x.unflatten(0, (x.shape[0] // accum_steps, accum_steps)).select(1, j).contiguous(), batch)
+            for j in range(accum_steps))  # fmt: skip
 
 
 def check_accumulation(batch: Any, accum_steps: int) -> None:
