@@ -246,6 +246,20 @@ def fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def fake_result(mode: FakeTensorMode, target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    """``target``'s result on fakes of its node arguments' values (``meta["val"]``: shape,
+    strides, dtype, device) under ``mode``: the value of a node a pass inserts."""
+
+    def fake(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return a
+        v = a.meta["val"]
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+
+    with mode:
+        return target(*fx.node.map_aggregate(args, fake), **fx.node.map_aggregate(kwargs or {}, fake))
+
+
 def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:

@@ -7,7 +7,7 @@ off float64 and heap corruption). The pattern is the backward of ``x[..., [i], :
 multi-query attention takes its key and value heads that way, and ``torch.compile`` of the
 model computes the same wrong gradient. ``scatter_add`` along the indexed dim is the same
 sum and compiles correctly, so stage 4 rewrites each such node before handing the graph to
-Inductor on CPU (``tests/test_inductor.py`` checks both, in a child process). On CUDA the
+Inductor on CPU (``tests/test_index_put.py`` checks both, the compiled gradient in a child process). On CUDA the
 graph is left as it is: the miscompile was not seen there (not tested).
 """
 
@@ -43,20 +43,13 @@ def _one_index(node: fx.Node) -> tuple[int, fx.Node] | None:
     return d, index
 
 
-def has_any(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` holds a node ``scatter_accumulating_index_puts`` would rewrite."""
-    return any(_one_index(n) is not None for n in gm.graph.nodes)
-
-
 def scatter_accumulating_index_puts(gm: fx.GraphModule) -> int:
     """Rewrites ``gm`` in place (see the module docstring); returns how many nodes it rewrote."""
     mode = _torch_private.fake_mode()
 
     def call(target: Any, args: tuple) -> fx.Node:
         new = gm.graph.call_function(target, args)
-        fakes = fx.node.map_arg(args, lambda a: a.meta["val"])
-        with mode:
-            new.meta["val"] = target(*fakes)
+        new.meta["val"] = _torch_private.fake_result(mode, target, args)
         return new
 
     rewritten = 0

@@ -56,15 +56,7 @@ class Quantizer:
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
-
-        def fake(a: Any) -> Any:
-            if not isinstance(a, fx.Node):
-                return a
-            v = a.meta["val"]
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-
-        with self.mode:
-            node.meta["val"] = target(*fx.node.map_aggregate(args, fake), **fx.node.map_aggregate(kwargs or {}, fake))
+        node.meta["val"] = _torch_private.fake_result(self.mode, target, args, kwargs)
         return node
 
     def scale(self, t: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
