@@ -225,3 +225,9 @@ def test_return_names_are_the_schemas():
         "rng_state", "unused")  # fmt: skip
     assert _torch_private.return_names(torch.ops.aten.add.Tensor) == ("",)
     assert _torch_private.return_names(len) == ()
+
+
+def test_default_store_is_none_without_a_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized() and _torch_private.default_store() is None

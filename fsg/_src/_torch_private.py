@@ -37,6 +37,7 @@ __all__ = [
     "all_decompositions",
     "arg_names",
     "core_decompositions",
+    "default_store",
     "draws_random",
     "dtensor_has_rule",
     "dtensor_index_put_rule_is_positional",
@@ -105,6 +106,16 @@ def dtensor_index_put_rule_is_positional() -> bool:
     propagator = DTensor._op_dispatcher.sharding_propagator
     rule = getattr(propagator, "op_strategy_funcs", {}).get(torch.ops.aten.index_put.default)
     return getattr(rule, "__name__", "") == "prop_index_put"
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (``torch.distributed.Store``), which
+    every rank reaches without a collective; ``None`` when no process group is initialized."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 def core_decompositions() -> dict[Any, Callable[..., Any]]:

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
+import time
 from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from fsg._src import _torch_private
 from fsg._src.errors import ArgumentError, MeshError
 
+_log = logging.getLogger("fsg.distributed")
 _BEFORE_SHUTDOWN: list[Callable[[], Any]] = []  # see before_shutdown
+_SHUTDOWNS = [0]  # how many times this process has shut down: keys each exit barrier apart
+EXIT_BARRIER_TIMEOUT_S = 30.0
 
 
 class ProcessInfo(NamedTuple):
@@ -64,6 +71,10 @@ def initialize(*, backend: str | None = None) -> ProcessInfo:
 def shutdown() -> None:
     """Destroys the default process group, if any (registered at exit by ``initialize``).
 
+    On a clean exit every rank first waits (at most ``EXIT_BARRIER_TIMEOUT_S``, through the
+    process group's key-value store) until all ranks have reached ``shutdown``, so no rank
+    tears down its connections while a peer is still using its own.
+
     Steps replayed as CUDA graphs (``cuda_graph=True`` on a mesh) drop their graphs first:
     NCCL's teardown can hang while graphs that captured its kernels are alive
     (pytorch/pytorch#115388). Such a step captures again if called after a new ``initialize``.
@@ -71,7 +82,40 @@ def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         for release in _BEFORE_SHUTDOWN:
             release()
+        if getattr(sys, "last_value", None) is None:  # a clean exit, not an uncaught exception
+            _exit_barrier(EXIT_BARRIER_TIMEOUT_S)
         dist.destroy_process_group()
+
+
+def _exit_barrier(timeout_s: float) -> bool:
+    """Waits until every rank has reached ``shutdown`` (through the process group's store, so it
+    never pairs with a peer's collective), at most ``timeout_s``; returns whether all arrived.
+
+    Without it a rank that finishes first tears down its gloo pairs while a peer still has its
+    own open, and the peer's teardown can abort ("terminate called without an active
+    exception", SIGABRT after a run whose every step succeeded; seen once in CI on torch 2.13).
+    A rank that exits on an uncaught exception skips it: its peers are inside a collective.
+    """
+    try:
+        store = _torch_private.default_store()
+        world = dist.get_world_size()
+        key = f"fsg/shutdown/{_SHUTDOWNS[0]}"
+        _SHUTDOWNS[0] += 1
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world:
+            if time.monotonic() > deadline:
+                _log.warning(
+                    "fsg.distributed.shutdown: not every rank reached shutdown within %.0f s; "
+                    "destroying the process group anyway",
+                    timeout_s,
+                )
+                return False
+            time.sleep(0.005)
+        return True
+    except Exception as e:  # the store went away with a peer that already exited: nothing to wait for
+        _log.debug("fsg.distributed.shutdown: exit barrier skipped (%s)", e)
+        return False
 
 
 def before_shutdown(release: Callable[[], Any]) -> None:

@@ -16,3 +16,28 @@ def fail_on_rank_1():
     t = torch.ones(1)
     dist.all_reduce(t)  # rank 0 waits here for a peer that never comes
     return float(t)
+
+
+def exit_barrier_waits_for_the_late_rank():
+    import time
+
+    from fsg._src import distributed
+
+    if dist.get_rank() == 1:
+        time.sleep(1.0)
+    t0 = time.perf_counter()
+    arrived = distributed._exit_barrier(timeout_s=60.0)
+    return arrived, time.perf_counter() - t0
+
+
+def exit_barrier_times_out_without_the_peer():
+    import time
+
+    from fsg._src import distributed
+
+    if dist.get_rank() == 1:  # never arrives; keeps its barrier count in step with rank 0's
+        distributed._SHUTDOWNS[0] += 1
+        return None
+    t0 = time.perf_counter()
+    arrived = distributed._exit_barrier(timeout_s=0.5)
+    return arrived, time.perf_counter() - t0

@@ -20,3 +20,12 @@ def test_a_failing_rank_is_reported_while_its_peer_hangs_in_a_collective():
         ranks.run(harness_workers.fail_on_rank_1)
     assert time.perf_counter() - t0 < 60  # not the 120 s timeout: the hung peer is killed
     assert ranks.closed
+
+
+def test_shutdowns_exit_barrier_waits_for_every_rank(ranks):
+    """fsg.distributed.shutdown's barrier (through the store, not a collective): the rank that
+    arrives first waits for the late one, and gives up after its timeout if a peer never comes."""
+    (arrived0, waited0), (arrived1, waited1) = ranks(2).run(harness_workers.exit_barrier_waits_for_the_late_rank)
+    assert arrived0 and arrived1 and waited0 > 0.8 and waited1 < waited0
+    (arrived, waited), absent = ranks(2).run(harness_workers.exit_barrier_times_out_without_the_peer)
+    assert not arrived and 0.5 <= waited < 5 and absent is None
