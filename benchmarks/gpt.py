@@ -40,6 +40,8 @@ Implementations (--impl):
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
   fsg-fp8-row   the same with Float8(recipe="rowwise"): a scale per row, the grad-weight in bf16
+  fsg-fp8-row-unfused   fsg-fp8-row without the fused producer + cast kernels
+            (kernels/float8_cast.py): every cast left to Inductor, for the A/B in one run
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def run_torch(impl: str, args) -> dict:
 
     else:
         logits_loss = impl == "fsg-logits"
+        from fsg._src.passes import float8_quantize
+
+        float8_quantize.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
 
         def loss_fn(params, batch):
             if logits_loss:
@@ -154,7 +159,8 @@ def run_torch(impl: str, args) -> dict:
             precision=fsg.Policy(
                 compute=torch.bfloat16,
                 autocast=impl == "fsg-autocast",
-                matmul={"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise")}.get(impl),
+                matmul={"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
+                        "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise")}.get(impl),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,

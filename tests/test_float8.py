@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fsg
 from fsg._src.errors import UnsupportedError
 from fsg._src.passes import float8 as float8_pass
+from fsg._src.passes import float8_quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -360,6 +361,49 @@ def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns():
     assert counts["aten._scaled_mm"] == 16 and counts["aten.mm"] + counts.get("aten.addmm", 0) == 8  # grad-weights
     assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) < 0.03, (losses, bf16_losses)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
+
+
+ROWWISE_POLICY = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+
+
+def _states_close(a, b, rtol):
+    for (name, x), y in zip(a.params.items(), b.params.values()):
+        assert float((x.float() - y.float()).abs().max()) <= rtol * float(y.float().abs().max()) + 1e-6, name
+
+
+def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_graph(monkeypatch):
+    """Under rowwise, the MLP's ``gelu_backward`` feeds the grad-input's FP8 cast (a scale per
+    row), the grad-weight (bf16) and the bias gradient (column sums): the pass computes all of
+    them in one op (``fsg::gelu_backward_fp8``; a Triton kernel on CUDA, the eager reference
+    here), and the step equals the one whose casts the pass builds op by op."""
+    batches = _gpt_batches(5)
+    step, state = _gpt_step(ROWWISE_POLICY)
+    text = step.lower(state, batches[0]).as_text()
+    assert text.count("fsg.gelu_backward_fp8.default(") == 2 and "aten.gelu_backward" not in text
+    fused_losses, fused_state = [], state
+    for b in batches:
+        fused_state, m = step(fused_state, b)
+        fused_losses.append(float(m["loss"]))
+    monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", False)
+    step, state = _gpt_step(ROWWISE_POLICY)
+    assert step.lower(state, batches[0]).as_text().count("aten.gelu_backward.default(") == 2
+    plain_losses, plain_state = [], state
+    for b in batches:
+        plain_state, m = step(plain_state, b)
+        plain_losses.append(float(m["loss"]))
+    assert max(abs(a - b) for a, b in zip(fused_losses, plain_losses)) < 1e-3, (fused_losses, plain_losses)
+    _states_close(fused_state, plain_state, 1e-2)
+
+
+@pytest.mark.inductor
+def test_rowwise_fused_gelu_backward_under_inductor_matches_eager():
+    """nn.GELU (the erf form) through Inductor: the fused op is an opaque node Inductor calls."""
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+    compiled, counts = _mlp_run(policy, "inductor", n=4)
+    eager, _ = _mlp_run(policy, "eager", n=4)
+    # the second GELU's; the first one's gradient feeds no FP8 matmul (the batch needs no gradient)
+    assert counts["fsg.gelu_backward_fp8"] == 1 and counts["aten.gelu_backward"] == 1
+    assert max(abs(a - b) / b for a, b in zip(compiled, eager)) < 0.02, (compiled, eager)
 
 
 # --- what a scale may depend on --------------------------------------------------------------

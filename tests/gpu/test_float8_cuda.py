@@ -134,3 +134,46 @@ def test_the_rowwise_step_under_inductor_stays_causal():
     rowwise = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     for policy in (BF16, rowwise):
         assert torch.equal(seen_loss(policy, a, "cuda", "inductor"), seen_loss(policy, b, "cuda", "inductor"))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(16, 1024, 3072), (3, 100, 200), (2048, 8192)])
+def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approximate):
+    """The Triton kernel (kernels/float8_cast.py) on bf16: ``g`` to aten's ``gelu_backward``
+    within a bf16 step (its exp/erf may differ in the last bit), the FP8 copy bit for bit the
+    cast of the kernel's own ``g`` with its own scales, the scales and column sums to the
+    reference's."""
+    from fsg._src.kernels import float8_cast as K
+
+    g_ = torch.Generator(device="cuda").manual_seed(0)
+    dy = (torch.randn(shape, generator=g_, device="cuda") * 1e-3).bfloat16()
+    h = (torch.randn(shape, generator=g_, device="cuda") * 2).bfloat16()
+    g, q, inv, colsum = K.gelu_backward_fp8(dy, h, approximate)
+    g_ref, _, inv_ref, colsum_ref = K.gelu_backward_fp8_reference(dy, h, approximate)
+    torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=0)
+    g_MN = g.reshape(q.shape).float()
+    assert torch.equal(q, (g_MN / inv).clamp(-448, 448).to(E4M3))
+    torch.testing.assert_close(inv, g_MN.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
+    torch.testing.assert_close(colsum, g_MN.sum(0), rtol=1e-4, atol=1e-4 * float(g_MN.abs().sum(0).max()))
+    torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
+    torch.testing.assert_close(colsum, colsum_ref, rtol=1e-2, atol=1e-2 * float(colsum_ref.abs().max()))
+
+
+@needs_fp8
+def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypatch):
+    """Inductor + graph replay: the step with ``fsg::gelu_backward_fp8`` tracks the one whose
+    casts the pass builds op by op (Inductor's kernels) to rounding."""
+    from fsg._src.passes import float8_quantize
+
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+    batches = _cuda(_gpt_batches(6))
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", fuse)
+        step, state = _gpt(policy)
+        assert step.lower(state, batches[0]).as_text().count("fsg.gelu_backward_fp8.default(") == (2 if fuse else 0)
+        runs[fuse] = []
+        for b in batches:
+            state, m = step(state, b)
+            runs[fuse].append(float(m["loss"]))
+    assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs

@@ -8,18 +8,24 @@ tensor's scale and casts are built once and reused by every matmul that reads it
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 
 from fsg._src import _torch_private
+from fsg._src.kernels import float8_cast
 
 aten = torch.ops.aten
 ADDMM, SCALED_MM = aten.addmm.default, aten._scaled_mm.default
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
 _ALIASES = (aten.detach.default, aten.alias.default)
+_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+GELU_BACKWARD, SUM_DIM = aten.gelu_backward.default, aten.sum.dim_IntList
+GELU_BACKWARD_FP8 = torch.ops.fsg.gelu_backward_fp8.default
+FUSE_PRODUCERS = True  # fused producer + cast kernels (kernels/float8_cast.py); False: Inductor's (benchmarks)
 _DENSE = {"memory_format": torch.contiguous_format}
 
 
@@ -105,6 +111,8 @@ class Quantizer:
         ``[M, 1]`` for the first operand, ``[1, N]`` (the second's columns) for the second.
         Each row's amax is a reduction over one row, so the cast needs no pass over the whole
         tensor first and can run in the kernel that produces the row."""
+        if (t, flip, dtype) not in self.casts and not flip and FUSE_PRODUCERS:
+            self.fused_gelu_backward(t, dtype)
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
             scale = self.scale_of(self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype)
@@ -114,6 +122,49 @@ class Quantizer:
         if second:
             return self.call(aten.t.default, (cast,)), self.call(aten.t.default, (inv,))
         return cast, inv
+
+    def fused_gelu_backward(self, t: fx.Node, dtype: torch.dtype) -> None:
+        """If ``t`` is ``g = aten.gelu_backward(dy, h)`` (its rows flattened to 2-D), computes
+        ``g``, its rowwise FP8 copy and its column sums in one kernel
+        (``kernels/float8_cast.py``): ``gelu_backward`` becomes that op, the copy and its
+        inverse scales are ``t``'s cast, and each bias gradient ``sum(t, [0])`` reads the
+        column sums. Anything else is left to the generic cast."""
+        producer = t
+        while producer.op == "call_function" and producer.target in _FLATTENS:
+            producer = producer.args[0]
+        if producer.op != "call_function" or producer.target is not GELU_BACKWARD or dtype != float8_cast.E4M3:
+            return
+        dy, h = producer.args[:2]
+        approximate = producer.kwargs.get("approximate", producer.args[2] if len(producer.args) > 2 else "none")
+        g_val, t_val = producer.meta["val"], t.meta["val"]
+        if not (isinstance(dy, fx.Node) and isinstance(h, fx.Node)) or approximate not in float8_cast.APPROXIMATIONS:
+            return
+        if dy.meta["val"].shape != g_val.shape or h.meta["val"].shape != g_val.shape or g_val.dim() < 2:
+            return
+        if t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1] or g_val.dtype not in (torch.bfloat16, torch.float16):
+            return
+        with self.graph.inserting_before(producer.next):
+            fused = self.call(GELU_BACKWARD_FP8, (dy, h, approximate))
+            g, q, inv, colsum = (self.item(fused, i) for i in range(4))
+            producer.replace_all_uses_with(g)
+            self.graph.erase_node(producer)
+        self.casts[(t, False, dtype)], self.scales[(t, False, dtype)] = q, inv
+        for user in list(t.users):
+            dims = user.args[1] if len(user.args) > 1 else None
+            if user.target is not SUM_DIM or list(dims or ()) not in ([0], [-2]) or user.kwargs.get("dtype") is not None:
+                continue
+            with self.graph.inserting_before(user):
+                out = self.call(aten._to_copy.default, (colsum,), {"dtype": user.meta["val"].dtype})
+                if user.meta["val"].dim() == 2:  # keepdim
+                    out = self.call(aten.view.default, (out, list(user.meta["val"].shape)))
+            user.replace_all_uses_with(out)
+            self.graph.erase_node(user)
+
+    def item(self, node: fx.Node, i: int) -> fx.Node:
+        """``node[i]`` of an op that returns a tuple."""
+        out = self.graph.call_function(operator.getitem, (node, i))
+        out.meta["val"] = node.meta["val"][i]
+        return out
 
     def matmul(self, node: fx.Node, grads: tuple[bool, bool], fast: bool) -> fx.Node:
         """``node`` (mm or addmm) as ``_scaled_mm``; ``grads`` says which operands are gradients."""

@@ -1,0 +1,88 @@
+"""The fused GELU-backward + rowwise FP8 cast kernel under Triton's CPU interpreter, against
+the eager reference (the unfused graph's ops).
+
+float32 inputs (the interpreter's bf16 rounding is wrong). Its FP8 conversion is wrong too
+(31.17 becomes 16: a rounding carry is lost), so the launch tests hand the kernel a float32
+buffer for the FP8 copy and check the scaled, saturated values it would convert; the FP8
+bytes themselves are checked on the GPU (tests/gpu/test_float8_cuda.py).
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fsg._src.kernels import float8_cast as K
+from fsg._src.kernels._common import RowTiling
+from tests.kernels.common import KERNEL, needs_triton, rel
+
+
+def check_against_reference(dy, h, approximate, g, scaled, inv, colsum):
+    """``scaled``: the kernel's FP8 copy before conversion (float32), or the FP8 copy."""
+    g_ref, _, inv_ref, colsum_ref = K.gelu_backward_fp8_reference(dy, h, approximate)
+    assert rel(g, g_ref) < 1e-5 and rel(inv, inv_ref) < 1e-5 and rel(colsum, colsum_ref) < 1e-5
+    assert inv.shape == inv_ref.shape == (scaled.shape[0], 1) and colsum.shape == (scaled.shape[1],)
+    want = (g_ref.reshape(scaled.shape).float() / inv_ref).clamp(-448, 448)
+    if scaled.dtype == torch.float32:
+        assert rel(scaled, want) < 1e-5 and bool((scaled.abs() <= 448).all())
+    else:
+        assert scaled.dtype == torch.float8_e4m3fn and scaled.shape == want.shape
+
+
+@needs_triton
+@KERNEL
+@given(
+    st.integers(1, 40), st.integers(1, 300), st.sampled_from(K.APPROXIMATIONS), st.sampled_from([None, 1, 3]),
+    st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate, iters, seed):
+    """Tiles and iterations that do not divide M leave partly masked tiles; a row of zeros
+    gets a finite scale; each row's largest element scales to the FP8 maximum."""
+    g_ = torch.Generator().manual_seed(seed)
+    dy, h = torch.randn(m, n, generator=g_) * 2, torch.randn(m, n, generator=g_) * 3
+    dy[0] = 0.0
+    t = RowTiling(m, n, rows=K.tiling(m, n).rows, iters=iters)
+    g = torch.full((m, n), float("nan"))
+    q = torch.full((m, n), float("nan"))  # float32: see the module docstring
+    inv = torch.full((m, 1), float("nan"))
+    part = torch.full((t.programs, n), float("nan"))
+    K.launch(dy, h, g, q, inv, part, approximate, t)
+    assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any() or part.isnan().any())
+    check_against_reference(dy, h, approximate, g, q, inv, part.sum(0))
+    nonzero = g.abs().amax(1) > 0
+    assert torch.allclose(q.abs().amax(1)[nonzero], torch.tensor(448.0), rtol=1e-6) and not q[0].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("approximate", K.APPROXIMATIONS)
+def test_the_op_on_3d_inputs_launches_the_kernel(approximate):
+    """The registered op flattens ``[B, T, N]`` to rows and sums the column partials."""
+    dy, h = torch.randn(3, 7, 48), torch.randn(3, 7, 48) * 4
+    g, q, inv, colsum = K.gelu_backward_fp8(dy, h, approximate)
+    assert g.shape == dy.shape and q.shape == (21, 48) and colsum.shape == (48,)
+    check_against_reference(dy, h, approximate, g, q, inv, colsum)
+
+
+@pytest.mark.parametrize("approximate", K.APPROXIMATIONS)
+def test_reference_is_aten_gelu_backward_and_the_unfused_rowwise_cast(approximate):
+    """The reference (the op on CPU outside the interpreter) is the graph the pass replaces:
+    ``aten.gelu_backward`` in the input dtype, then the rowwise cast of its bfloat16 rows."""
+    dy, h = torch.randn(10, 64, dtype=torch.bfloat16), torch.randn(10, 64, dtype=torch.bfloat16) * 3
+    g, q, inv, colsum = K.gelu_backward_fp8_reference(dy, h, approximate)
+    gelu = torch.nn.functional.gelu
+    h_ = h.float().requires_grad_()
+    (gelu(h_, approximate=approximate) * dy.float()).sum().backward()
+    assert g.dtype == torch.bfloat16 and rel(g.float(), h_.grad) < 1e-2
+    scale = 448.0 / g.float().abs().amax(1, keepdim=True)
+    assert torch.equal(q, (g.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+    assert rel(inv, 1 / scale) < 1e-6 and rel(colsum, g.float().sum(0)) < 1e-6
+
+
+def test_fake_shapes_match_the_real_op():
+    dy = torch.randn(2, 5, 32)
+    real = K.gelu_backward_fp8(dy, torch.randn(2, 5, 32), "tanh")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = K.gelu_backward_fp8(mode.from_tensor(dy), mode.from_tensor(dy), "tanh")
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
