@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -393,6 +393,54 @@ def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_grap
         plain_losses.append(float(m["loss"]))
     assert max(abs(a - b) for a, b in zip(fused_losses, plain_losses)) < 1e-3, (fused_losses, plain_losses)
     _states_close(fused_state, plain_state, 1e-2)
+
+
+class _GeluMLP(nn.Module):
+    def __init__(self, width, hidden, approximate, bias, residual):
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden, bias=bias), nn.Linear(hidden, width, bias=bias)
+        self.approximate, self.residual = approximate, residual
+
+    def forward(self, x):
+        h = self.up(x)
+        y = self.down(F.gelu(h, approximate=self.approximate))
+        return x + y if self.residual else y + 0.1 * h[..., : y.shape[-1]]  # h read again: g gets one more reader
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@settings(max_examples=4, deadline=None)
+@given(
+    st.sampled_from(["none", "tanh"]), st.booleans(), st.sampled_from([(32,), (2, 16)]),
+    st.sampled_from([(16, 64), (32, 32)]),
+)  # fmt: skip
+def test_fused_gelu_backward_step_equals_the_unfused_step(residual, approximate, bias, lead, dims):
+    """Over MLP shapes (with and without bias, 2-D or 3-D activations, a residual or ``h`` read
+    by another op, whose gradient then is a sum, not a GELU's: nothing to fuse): the fused op
+    changes no loss or parameter beyond rounding."""
+    width, hidden = dims
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), _GeluMLP(width, hidden, approximate, bias, residual))
+
+        def loss_fn(params, batch):
+            return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
+
+        previous, float8_quantize.FUSE_PRODUCERS = float8_quantize.FUSE_PRODUCERS, fuse
+        try:
+            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
+            state = step.init(fsg.params(model))
+            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
+            text = step.lower(state, {"x": x}).as_text()
+            state, m = step(state, {"x": x})
+        finally:
+            float8_quantize.FUSE_PRODUCERS = previous
+        assert text.count("fsg.gelu_backward_fp8.default(") == (1 if fuse and residual else 0)
+        runs.append((float(m["loss"]), state))
+    (fused_loss, fused), (plain_loss, plain) = runs
+    assert fused_loss == plain_loss
+    _states_close(fused, plain, 1e-2)
 
 
 @pytest.mark.inductor

@@ -133,7 +133,7 @@ def _(dy, h, approximate):
     M = dy.numel() // N if N else 0
     f32 = {"dtype": torch.float32, "device": dy.device}
     return (
-        torch.empty_like(dy),
+        torch.empty(dy.shape, dtype=dy.dtype, device=dy.device),  # contiguous, as the kernel writes it
         torch.empty((M, N), dtype=E4M3, device=dy.device),
         torch.empty((M, 1), **f32),
         torch.empty((N,), **f32),

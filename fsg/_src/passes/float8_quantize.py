@@ -141,6 +141,8 @@ class Quantizer:
             return
         if dy.meta["val"].shape != g_val.shape or h.meta["val"].shape != g_val.shape or g_val.dim() < 2:
             return
+        if not all(v.meta["val"].is_contiguous() for v in (dy, h, producer)):  # the op writes g row-major
+            return
         if t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1] or g_val.dtype not in (torch.bfloat16, torch.float16):
             return
         with self.graph.inserting_before(producer.next):
