@@ -25,7 +25,7 @@ def float8_on_a_mesh_is_refused() -> str:
 def rowwise_matches_unsharded(axes: dict, preset: str, policy: str) -> int:
     """The tiny GPT's step under ``preset`` equals the unsharded step with the same policy
     (``"rowwise"`` or ``"bf16"``, the reference for how close bf16 steps come); returns how
-    many ``_scaled_mm`` the sharded step's graph holds."""
+    many ``_scaled_mm`` and fused GELU-gradient casts the sharded step's graph holds."""
     precision = ROWWISE if policy == "rowwise" else fsg.Policy(compute=torch.bfloat16)
     model = tiny_gpt()
     # SGD, not Adam: Adam turns a gradient's last-bit difference near zero into a whole update
@@ -35,7 +35,8 @@ def rowwise_matches_unsharded(axes: dict, preset: str, policy: str) -> int:
         gpt_loss(model), fsg.params(model), gpt_batches(), fsg.testing.mesh(axes), rtol=2e-2, atol=2e-3, **options
     )
     step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), backend="eager", **options)
-    return step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).op_counts().get("aten._scaled_mm", 0)
+    counts = step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).op_counts()
+    return counts.get("aten._scaled_mm", 0), counts.get("fsg.gelu_backward_fp8", 0)
 
 
 def rowwise_under_tensor_parallel_is_refused(axes: dict) -> str:
