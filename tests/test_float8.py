@@ -395,6 +395,26 @@ def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_grap
     _states_close(fused_state, plain_state, 1e-2)
 
 
+def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
+    """``FUSE_COLUMN_SUMS`` (off by default until measured): every rowwise operand a bias
+    gradient sums (the residual stream's gradient at ``proj`` and ``fc_proj``, ``qkv``'s) is
+    cast with its column sums in one op, and the step is the unfused one."""
+    batches = _gpt_batches(3)
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_quantize, "FUSE_COLUMN_SUMS", fuse)
+        step, state = _gpt_step(ROWWISE_POLICY)
+        counts = step.lower(state, batches[0]).op_counts()
+        assert counts.get("fsg.rowwise_fp8", 0) == (6 if fuse else 0) and counts["fsg.gelu_backward_fp8"] == 2
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        runs[fuse] = (losses, state)
+    assert max(abs(a - b) for a, b in zip(runs[True][0], runs[False][0])) < 1e-3, runs
+    _states_close(runs[True][1], runs[False][1], 1e-2)
+
+
 class _GeluMLP(nn.Module):
     def __init__(self, width, hidden, approximate, bias, residual):
         super().__init__()

@@ -86,3 +86,28 @@ def test_fake_shapes_match_the_real_op():
     with FakeTensorMode() as mode:
         fake = K.gelu_backward_fp8(mode.from_tensor(dy), mode.from_tensor(dy), "tanh")
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+@needs_triton
+@KERNEL
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(0, 2**31 - 1))
+def test_identity_producer_casts_the_rows_it_reads(m, n, seed):
+    """``rowwise_fp8``'s launch: the rows as given, cast with their column sums."""
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * 5
+    t = K.tiling(m, n)
+    q, inv = torch.full((m, n), float("nan")), torch.full((m, 1), float("nan"))
+    part = torch.full((t.programs, n), float("nan"))
+    K.launch(x, None, None, q, inv, part, "identity", t)
+    _, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
+    assert rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
+    assert rel(q, (x / inv_ref).clamp(-448, 448)) < 1e-5
+
+
+@needs_triton
+def test_the_rowwise_fp8_op_on_3d_inputs_launches_the_kernel():
+    """The op flattens ``[B, T, N]`` to rows (its FP8 bytes: see the module docstring)."""
+    x = torch.randn(4, 6, 32)
+    q, inv, colsum = K.rowwise_fp8(x)
+    assert q.shape == (24, 32) and q.dtype == torch.float8_e4m3fn and inv.shape == (24, 1) and colsum.shape == (32,)
+    _, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
+    assert rel(inv, inv_ref) < 1e-5 and rel(colsum, colsum_ref) < 1e-5

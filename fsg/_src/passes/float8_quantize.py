@@ -25,7 +25,10 @@ _ALIASES = (aten.detach.default, aten.alias.default)
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 GELU_BACKWARD, SUM_DIM = aten.gelu_backward.default, aten.sum.dim_IntList
 GELU_BACKWARD_FP8 = torch.ops.fsg.gelu_backward_fp8.default
-FUSE_PRODUCERS = True  # fused producer + cast kernels (kernels/float8_cast.py); False: Inductor's (benchmarks)
+ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
+# The fused kernels of kernels/float8_cast.py (benchmarks/gpt.py turns each off for its A/B):
+FUSE_PRODUCERS = True  # a GELU gradient, its cast and column sums in one kernel
+FUSE_COLUMN_SUMS = False  # any other rowwise operand with a bias gradient: its cast and column sums (unmeasured)
 _DENSE = {"memory_format": torch.contiguous_format}
 
 
@@ -113,6 +116,8 @@ class Quantizer:
         tensor first and can run in the kernel that produces the row."""
         if (t, flip, dtype) not in self.casts and not flip and FUSE_PRODUCERS:
             self.fused_gelu_backward(t, dtype)
+        if (t, flip, dtype) not in self.casts and not flip and FUSE_COLUMN_SUMS:
+            self.fused_column_sums(t, dtype)
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
             scale = self.scale_of(self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype)
@@ -151,10 +156,32 @@ class Quantizer:
             producer.replace_all_uses_with(g)
             self.graph.erase_node(producer)
         self.casts[(t, False, dtype)], self.scales[(t, False, dtype)] = q, inv
-        for user in list(t.users):
+        self.read_column_sums(t, colsum)
+
+    def fused_column_sums(self, t: fx.Node, dtype: torch.dtype) -> None:
+        """If a bias gradient sums ``t``'s columns, ``t``'s rowwise cast and those sums in one
+        read of ``t`` (``fsg::rowwise_fp8``)."""
+        val = t.meta["val"]
+        if dtype != float8_cast.E4M3 or val.dim() != 2 or not val.is_contiguous() or not self.column_sums(t):
+            return
+        with self.graph.inserting_before(t.next):
+            fused = self.call(ROWWISE_FP8, (t,))
+            q, inv, colsum = (self.item(fused, i) for i in range(3))
+        self.casts[(t, False, dtype)], self.scales[(t, False, dtype)] = q, inv
+        self.read_column_sums(t, colsum)
+
+    @staticmethod
+    def column_sums(t: fx.Node) -> list[fx.Node]:
+        """The users of 2-D ``t`` that sum its columns (``sum(t, [0])``: a bias gradient)."""
+        def sums_columns(user: fx.Node) -> bool:
             dims = user.args[1] if len(user.args) > 1 else None
-            if user.target is not SUM_DIM or list(dims or ()) not in ([0], [-2]) or user.kwargs.get("dtype") is not None:
-                continue
+            return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None
+
+        return [user for user in t.users if sums_columns(user)]
+
+    def read_column_sums(self, t: fx.Node, colsum: fx.Node) -> None:
+        """Each ``sum(t, [0])`` becomes the fused op's float32 ``colsum`` in its own dtype."""
+        for user in self.column_sums(t):
             with self.graph.inserting_before(user):
                 out = self.call(aten._to_copy.default, (colsum,), {"dtype": user.meta["val"].dtype})
                 if user.meta["val"].dim() == 2:  # keepdim
