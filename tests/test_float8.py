@@ -665,12 +665,6 @@ def test_bad_config_is_an_argument_error_naming_the_field(make, match):
         fsg.compile_step(lambda p, b: p["w"].sum(), optimizer=fsg.optim.sgd(0.1), precision=policy)
 
 
-def test_tensorwise_float8_on_a_mesh_is_refused():
-    with pytest.raises(UnsupportedError, match="one scale per tensor would be each rank's own"):
-        float8_pass.plan(fsg.Float8(), None, None, shard_plan=object())
-    assert float8_pass.plan(None, None, None, shard_plan=object()) is None
-
-
 def _shard_plan(param, batch):
     return SimpleNamespace(compute_placements=lambda i: param, batch_placements=(batch,))
 
@@ -679,11 +673,12 @@ def _shard_plan(param, batch):
     ((Shard(0),), (Shard(0),), r"params\['w'\] is sharded where it is used"),
     ((Replicate(),), (Shard(1),), r"batch leaf 0 is split along a dim other than 0"),
 ])  # fmt: skip
-def test_rowwise_on_a_mesh_is_refused_where_a_rank_would_see_part_of_a_row(param, batch, match):
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_float8_on_a_mesh_is_refused_where_a_rank_would_see_part_of_a_row(param, batch, match, recipe):
     state = SimpleNamespace(params={"w": torch.zeros(16, 16)})
-    with pytest.raises(UnsupportedError, match=match):
-        float8_pass.check_mesh(fsg.Float8(recipe="rowwise"), state, _shard_plan(param, batch))
-    float8_pass.check_mesh(fsg.Float8(recipe="rowwise"), state, _shard_plan((Replicate(),), (Shard(0), Replicate())))
+    with pytest.raises(UnsupportedError, match=rf"Float8\(recipe='{recipe}'\) on a mesh: " + match):
+        float8_pass.check_mesh(fsg.Float8(recipe=recipe), state, _shard_plan(param, batch))
+    float8_pass.check_mesh(fsg.Float8(recipe=recipe), state, _shard_plan((Replicate(),), (Shard(0), Replicate())))
 
 
 def test_the_config_is_part_of_the_policy():

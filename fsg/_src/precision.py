@@ -129,9 +129,8 @@ class Policy(_PolicyFields):
         float32, as in a ``torch.compile`` + autocast baseline (the same numerics, op for op).
         On a mesh, FSDP then gathers parameters in ``param``'s dtype.
       matmul: ``None`` (default), or an ``fsg.Float8`` to run the linear layers' matmuls in FP8
-        (a stage-3 pass; needs a bfloat16 or float16 ``compute``, one device or, for
-        ``recipe="rowwise"``, a data-parallel or FSDP mesh, and on CUDA a GPU with FP8 tensor
-        cores). Evaluation steps (``compile_eval``) run them in ``compute``.
+        (a stage-3 pass; needs a bfloat16 or float16 ``compute``, one device or a
+        data-parallel or FSDP mesh, and on CUDA a GPU with FP8 tensor cores). Evaluation steps (``compile_eval``) run them in ``compute``.
 
     Example:
       >>> policy = fsg.Policy(param=torch.float32, compute=torch.bfloat16)

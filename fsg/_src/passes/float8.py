@@ -7,7 +7,8 @@ the weight through ``t``), the grad-input ``dX_MK = dY_MN @ W_NK`` and the grad-
 each backward matmul with the forward whose saved operand (``W`` or ``X``) it reads, and
 rewrites the matmuls of each selected layer as ``aten._scaled_mm`` with scales computed in
 the graph (``passes/float8_quantize.py``): tensorwise, ``scale = fp8_max / max(max|t|, eps)``
-per tensor, ``X`` and ``W`` in ``float8_e4m3fn``, ``dY`` in ``float8_e5m2``, all three matmuls;
+per tensor (on a mesh, each activation's and gradient's amax all-reduced over the batch's
+axes), ``X`` and ``W`` in ``float8_e4m3fn``, ``dY`` in ``float8_e5m2``, all three matmuls;
 or rowwise, a scale per row along the contracted dim, e4m3 throughout, the forward and the
 grad-input only (the grad-weight stays in the compute dtype). A matmul that cannot
 or should not run in FP8 stays as it was; the ``fsg`` logger says why, at INFO one line per
@@ -52,6 +53,10 @@ class Float8Plan(NamedTuple):
     config: Float8
     param_names: dict[int, str]
     loss_output: int
+    # tensorwise on a mesh: the process groups of the axes that shard the batch, over which
+    # each activation's and gradient's amax is all-reduced (max), and the first batch input
+    amax_groups: tuple[str, ...] = ()
+    first_batch_input: int = 0
 
 
 def plan(config: Float8 | None, state: Any, traced: Any, *, shard_plan: Any = None) -> Float8Plan | None:
@@ -76,31 +81,34 @@ def plan(config: Float8 | None, state: Any, traced: Any, *, shard_plan: Any = No
         keys = {id(v): k for k, v in state.params.items()}  # fsg.params' names, in flatten order
         names = [keys.get(id(p), name) for p, name in zip(params, names)]
     first = 0 if traced.donate else traced.num_state_leaves  # without donation the new state comes first
-    return Float8Plan(config, dict(zip(positions, names)), first + traced.metric_names.index("loss"))
+    groups = ()
+    if shard_plan is not None and config.recipe == "tensorwise":
+        mesh = shard_plan.mesh
+        groups = tuple(mesh.device_mesh.get_group(a).group_name for a in shard_plan.data_axes if mesh.axis_size(a) > 1)
+    loss = first + traced.metric_names.index("loss")
+    return Float8Plan(config, dict(zip(positions, names)), loss, groups, traced.num_state_leaves)
 
 
 def check_mesh(config: Float8, state: Any, shard_plan: Any) -> None:
-    """FP8 on a mesh where each rank's matmuls see whole rows: rowwise, every parameter whole
-    at compute time (replicated, or gathered as FSDP does) and every batch leaf split along
-    dim 0 only. Then a rank's rows and weight channels are the unsharded step's, so are their
-    scales, and the sharded step equals the unsharded one. Anything else raises
+    """FP8 on a mesh where each rank's matmuls see whole rows: every parameter whole at compute
+    time (replicated, or gathered as FSDP does) and every batch leaf split along dim 0 only.
+    Then a rank's rows and weight channels are the unsharded step's, so are their scales
+    (rowwise: a row's own; tensorwise: the global batch's, each amax all-reduced over the
+    batch's axes), and the sharded step equals the unsharded one. Anything else raises
     ``UnsupportedError`` naming what breaks it."""
-    if config.recipe != "rowwise":
-        raise UnsupportedError("Policy(matmul=fsg.Float8(recipe='tensorwise')) on a mesh is not built: one scale per "
-                               "tensor would be each rank's own, not the global batch's. Use Float8(recipe='rowwise'), "
-                               "whose scales are per row, or one device")  # fmt: skip
+    recipe = f"Float8(recipe={config.recipe!r})"
     names = tree.leaf_paths(state.params, "params")
     for i, name in enumerate(names):
         placements = shard_plan.compute_placements(i)
         if any(not isinstance(p, Replicate) for p in placements):
-            raise UnsupportedError(f"Float8(recipe='rowwise') on a mesh: {name} is sharded where it is used "
-                                   f"({placements}: tensor parallel), so a row's scale would see "
+            raise UnsupportedError(f"{recipe} on a mesh: {name} is sharded where it is used "
+                                   f"({placements}: tensor parallel), so its scale would see "
                                    "only part of it. FP8 runs with data parallel and FSDP; drop matmul= under tensor "
                                    "parallelism")  # fmt: skip
     for i, placements in enumerate(shard_plan.batch_placements):
         if any(not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0)) for p in placements):
-            raise UnsupportedError(f"Float8(recipe='rowwise') on a mesh: batch leaf {i} is split along a dim other "
-                                   f"than 0 ({placements}), so a row's scale would see only part of it. Shard the "
+            raise UnsupportedError(f"{recipe} on a mesh: batch leaf {i} is split along a dim other "
+                                   f"than 0 ({placements}), so a rank would cast parts of rows. Shard the "
                                    "batch along its leading dim only")  # fmt: skip
 
 
@@ -115,8 +123,8 @@ def _passes_loss(node: fx.Node) -> bool:
     """Whether the loss may be computed from a head's output through ``node``."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem or facts.is_view(node):
-        return True
+    if node.target is operator.getitem or facts.is_view(node) or _torch_private.is_collective(node.target):
+        return True  # (on a mesh the loss is all-reduced: its collectives lead back to the head)
     tags = getattr(node.target, "tags", ())
     return (
         torch.Tag.pointwise in tags or torch.Tag.reduction in tags or _torch_private.op_name(node.target) in _LOSS_OPS
@@ -141,6 +149,15 @@ class _Layer(NamedTuple):
     w: fx.Node  # the weight
     name: str | None  # the weight's parameter name
     why_not: str | None  # why the layer stays in high precision
+
+
+def _batch_dependent(graph: fx.Graph, batch_inputs: list[fx.Node]) -> set[fx.Node]:
+    """The nodes computed from the batch (activations and gradients: a rank's own rows)."""
+    out = set(batch_inputs)
+    for node in graph.nodes:
+        if any(n in out for n in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
@@ -219,7 +236,8 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         if candidates:
             roles[node] = (candidates, grads, saved is candidates[0].x)
     rowwise = at.config.recipe == "rowwise"
-    quantizer, converted = Quantizer(graph, rowwise), 0
+    batch = _batch_dependent(graph, placeholders[at.first_batch_input:]) if at.amax_groups else set()
+    quantizer, converted = Quantizer(graph, rowwise, at.amax_groups, batch), 0
     kept: dict[tuple[str, torch.dtype], list[str]] = {}  # (why, dtype) -> the matmuls that stay for it
     for node in matmuls:  # graph order: a tensor's scale and casts come before every reader
         why = _why_not_op(node, rowwise)

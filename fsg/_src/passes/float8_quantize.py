@@ -57,8 +57,12 @@ def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
 class Quantizer:
     """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
 
-    def __init__(self, graph: fx.Graph, rowwise: bool = False) -> None:
+    def __init__(
+        self, graph: fx.Graph, rowwise: bool = False, amax_groups: tuple[str, ...] = (), batch: frozenset | set = frozenset()
+    ) -> None:
         self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
+        # tensorwise on a mesh: each amax of a tensor in ``batch`` is all-reduced (max) over these groups
+        self.amax_groups, self.batch = amax_groups, batch
         # tensorwise: (t, dtype) -> (scale, 1/scale); rowwise: (t, flip, dtype) -> 1/scale
         self.scales: dict[tuple, Any] = {}
         self.casts: dict[tuple[fx.Node, bool, torch.dtype], fx.Node] = {}
@@ -71,7 +75,13 @@ class Quantizer:
     def scale(self, t: fx.Node, dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
         """``fp8_max / max(amax(t), eps)`` in float32, and its reciprocal (``_scaled_mm``'s scale)."""
         if (t, dtype) not in self.scales:
-            scale = self.scale_of(self.call(aten.max.default, (self.call(aten.abs.default, (t,)),)), dtype)
+            amax = self.call(aten.max.default, (self.call(aten.abs.default, (t,)),))
+            if self.amax_groups and t in self.batch:  # the global batch's amax: a rank holds some of its rows
+                amax = self.call(aten._to_copy.default, (amax,), {"dtype": torch.float32})
+                for group in self.amax_groups:
+                    reduced = self.call(_torch_private.ALL_REDUCE, (amax, "max", group))
+                    amax = self.call(_torch_private.WAIT_TENSOR, (reduced,))
+            scale = self.scale_of(amax, dtype)
             self.scales[(t, dtype)] = (scale, self.call(aten.reciprocal.default, (scale,)))
         return self.scales[(t, dtype)]
 

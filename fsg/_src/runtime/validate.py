@@ -16,7 +16,7 @@ import torch
 
 from fsg._src import checks, tree
 from fsg._src.backend.inductor import BACKENDS
-from fsg._src.errors import ArgumentError, FsgError, StructureMismatchError, UnsupportedError
+from fsg._src.errors import ArgumentError, FsgError, StructureMismatchError
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import check_transformation
 from fsg._src.precision import check_policy
@@ -47,13 +47,6 @@ def check_compile_args(loss_fn: Any, mesh: Any, optimizer: Any, options: dict[st
                         fix="Name the axes in a spec, e.g. fsg.P('dp')")  # fmt: skip
     if options["precision"] is not None:
         check_policy(options["precision"])
-        matmul = options["precision"].matmul
-        if matmul is not None and matmul.recipe != "rowwise" and mesh is not None and mesh.size > 1:
-            raise UnsupportedError(
-                f"compile_step(mesh={mesh!r}, precision=fsg.Policy(matmul=fsg.Float8(recipe={matmul.recipe!r}))): "
-                f"one scale per tensor on a mesh would be each rank's own, not the global batch's; use "
-                f"fsg.Float8(recipe='rowwise') (data parallel and FSDP), FP8 on one device, or drop matmul="
-            )
     checks.integer("compile_step(accum_steps=...)", options["accum_steps"], low=1,
                    fix="It is the number of microbatches per step; 1 means no accumulation")  # fmt: skip
     if options["backend"] not in BACKENDS:
