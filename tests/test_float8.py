@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -429,6 +429,7 @@ class _GeluMLP(nn.Module):
 
 @pytest.mark.parametrize("residual", [True, False])
 @settings(max_examples=4, deadline=None)
+@example("tanh", True, (32,), (16, 64))  # a 2-D gradient: gelu_backward's own output is the operand
 @given(
     st.sampled_from(["none", "tanh"]), st.booleans(), st.sampled_from([(32,), (2, 16)]),
     st.sampled_from([(16, 64), (32, 32)]),
@@ -457,8 +458,9 @@ def test_fused_gelu_backward_step_equals_the_unfused_step(residual, approximate,
         finally:
             float8_quantize.FUSE_PRODUCERS = previous
         assert text.count("fsg.gelu_backward_fp8.default(") == (1 if fuse and residual else 0)
-        runs.append((float(m["loss"]), state))
-    (fused_loss, fused), (plain_loss, plain) = runs
+        runs.append((float(m["loss"]), state, text.count("aten.sum.dim_IntList(")))
+    (fused_loss, fused, fused_sums), (plain_loss, plain, plain_sums) = runs
+    assert fused_sums == plain_sums - (1 if bias and residual else 0)  # the up-projection's bias gradient
     assert fused_loss == plain_loss
     _states_close(fused, plain, 1e-2)
 

@@ -165,8 +165,10 @@ class Quantizer:
             g, q, inv, colsum = (self.item(fused, i) for i in range(4))
             producer.replace_all_uses_with(g)
             self.graph.erase_node(producer)
-        self.casts[(t, False, dtype)], self.scales[(t, False, dtype)] = q, inv
-        self.read_column_sums(t, colsum)
+        rows = g if t is producer else t  # a 2-D gradient is the producer itself: its readers now read g
+        for key in {(t, False, dtype), (rows, False, dtype)}:
+            self.casts[key], self.scales[key] = q, inv
+        self.read_column_sums(rows, colsum)
 
     def fused_column_sums(self, t: fx.Node, dtype: torch.dtype) -> None:
         """If a bias gradient sums ``t``'s columns, ``t``'s rowwise cast and those sums in one
