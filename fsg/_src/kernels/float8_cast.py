@@ -31,7 +31,7 @@ import torch
 from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
 
 E4M3 = torch.float8_e4m3fn
-EPS = 1e-12  # the smallest amax a scale is computed from (passes/float8_quantize.py's EPS)
+EPS = 1e-12  # the smallest amax a scale is computed from (the float8 pass's casts use it too)
 _MAX_PROGRAMS = 512  # column-sum partial rows: about 4 per SM on an H200, few enough to sum cheaply
 APPROXIMATIONS = ("none", "tanh")
 

@@ -20,7 +20,7 @@ from fsg._src.kernels import float8_cast
 aten = torch.ops.aten
 ADDMM, SCALED_MM = aten.addmm.default, aten._scaled_mm.default
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-EPS = 1e-12  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
+EPS = float8_cast.EPS  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
 _ALIASES = (aten.detach.default, aten.alias.default)
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 GELU_BACKWARD, SUM_DIM = aten.gelu_backward.default, aten.sum.dim_IntList
