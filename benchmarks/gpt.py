@@ -42,8 +42,10 @@ Implementations (--impl):
   fsg-fp8-row   the same with Float8(recipe="rowwise"): a scale per row, the grad-weight in bf16
   fsg-fp8-row-unfused   fsg-fp8-row without the fused producer + cast kernels
             (kernels/float8_cast.py): every cast left to Inductor, for the A/B in one run
-  fsg-fp8-row-colsum   fsg-fp8-row with FUSE_COLUMN_SUMS on: every operand a bias gradient
-            sums is cast with its column sums in one kernel (off by default until measured)
+  fsg-fp8-row-gelubwd   fsg-fp8-row with only the GELU gradient's cast fused (the GELU
+            activation's and the qkv gradient's left to Inductor)
+  fsg-fp8-row-colsum   fsg-fp8-row with FUSE_COLUMN_SUMS on: every other operand a bias
+            gradient sums is cast with its column sums in one kernel (off by default: slower)
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.passes import float8_quantize
 
         float8_quantize.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
+        if impl == "fsg-fp8-row-gelubwd":
+            float8_quantize.FUSED_PRODUCERS = frozenset({float8_quantize.GELU_BACKWARD})
         float8_quantize.FUSE_COLUMN_SUMS = impl == "fsg-fp8-row-colsum"
 
         def loss_fn(params, batch):
@@ -162,9 +166,13 @@ def run_torch(impl: str, args) -> dict:
             precision=fsg.Policy(
                 compute=torch.bfloat16,
                 autocast=impl == "fsg-autocast",
-                matmul={"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
-                        "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
-                        "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise")}.get(impl),  # fmt: skip
+                matmul={
+                    "fsg-fp8": fsg.Float8(),
+                    "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
+                    "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
+                    "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
+                    "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
+                }.get(impl),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,

@@ -380,6 +380,8 @@ def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_grap
     step, state = _gpt_step(ROWWISE_POLICY)
     text = step.lower(state, batches[0]).as_text()
     assert text.count("fsg.gelu_backward_fp8.default(") == 2 and "aten.gelu_backward" not in text
+    assert text.count("fsg.gelu_fp8.default(") == 2 and "aten.gelu.default" not in text  # the MLP's activation
+    assert text.count("fsg.cat_rowwise_fp8.default(") == 2  # the qkv gradient: cat([dq, dk, dv])
     fused_losses, fused_state = [], state
     for b in batches:
         fused_state, m = step(fused_state, b)
@@ -405,7 +407,8 @@ def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
         monkeypatch.setattr(float8_quantize, "FUSE_COLUMN_SUMS", fuse)
         step, state = _gpt_step(ROWWISE_POLICY)
         counts = step.lower(state, batches[0]).op_counts()
-        assert counts.get("fsg.rowwise_fp8", 0) == (6 if fuse else 0) and counts["fsg.gelu_backward_fp8"] == 2
+        # proj's and fc_proj's input gradients (qkv's is the fused concatenation's)
+        assert counts.get("fsg.rowwise_fp8", 0) == (4 if fuse else 0) and counts["fsg.gelu_backward_fp8"] == 2
         losses = []
         for b in batches:
             state, m = step(state, b)
@@ -458,9 +461,65 @@ def test_fused_gelu_backward_step_equals_the_unfused_step(residual, approximate,
         finally:
             float8_quantize.FUSE_PRODUCERS = previous
         assert text.count("fsg.gelu_backward_fp8.default(") == (1 if fuse and residual else 0)
+        assert text.count("fsg.gelu_fp8.default(") == (1 if fuse else 0)
         runs.append((float(m["loss"]), state, text.count("aten.sum.dim_IntList(")))
     (fused_loss, fused, fused_sums), (plain_loss, plain, plain_sums) = runs
     assert fused_sums == plain_sums - (1 if bias and residual else 0)  # the up-projection's bias gradient
+    assert fused_loss == plain_loss
+    _states_close(fused, plain, 1e-2)
+
+
+class _SplitProjection(nn.Module):
+    """A fused projection split into pieces along the features (as GPT's qkv), each piece used
+    as is or through a heads transpose (as attention reads q, k, v): the projection's output
+    gradient is ``cat`` of the pieces' gradients."""
+
+    def __init__(self, width, pieces, heads, bias):
+        super().__init__()
+        self.proj, self.out = nn.Linear(width, pieces * width, bias=bias), nn.Linear(width, width)
+        self.pieces, self.heads = pieces, heads
+
+    def forward(self, x):
+        parts = self.proj(x).split(x.shape[-1], dim=-1)
+        if self.heads:  # [B, T, C] -> [B, H, T, C/H], mixed along T, and back
+            B, T, C = x.shape
+            parts = [p.view(B, T, self.heads, C // self.heads).transpose(1, 2) for p in parts]
+            parts = [p.cumsum(2) for p in parts]
+            parts = [p.transpose(1, 2).reshape(B, T, C) for p in parts]
+        y = parts[0] * torch.sigmoid(parts[1])
+        return self.out(y + parts[2] if self.pieces == 3 else y)
+
+
+@settings(max_examples=6, deadline=None)
+@example(3, 2, True, (2, 16))  # GPT's qkv: three pieces through transposed heads, a bias
+@given(st.sampled_from([2, 3]), st.sampled_from([0, 2]), st.booleans(), st.sampled_from([(2, 16), (1, 32)]))
+def test_fused_concatenation_step_equals_the_unfused_step(pieces, heads, bias, lead):
+    """A split projection's gradient (``cat`` of 2 or 3 pieces, plain or transposed heads):
+    under rowwise the pass casts it with its column sums in ``fsg::cat_rowwise_fp8``, and the
+    step equals the unfused one (loss bit for bit, parameters to rounding)."""
+    width = 32
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), _SplitProjection(width, pieces, heads, bias))  # x needs a grad
+
+        def loss_fn(params, batch):
+            return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
+
+        previous, float8_quantize.FUSE_PRODUCERS = float8_quantize.FUSE_PRODUCERS, fuse
+        try:
+            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
+            state = step.init(fsg.params(model))
+            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
+            text = step.lower(state, {"x": x}).as_text()
+            state, m = step(state, {"x": x})
+        finally:
+            float8_quantize.FUSE_PRODUCERS = previous
+        assert text.count("fsg.cat_rowwise_fp8.default(") == (1 if fuse else 0), text
+        runs.append((float(m["loss"]), state, text.count("aten.sum.dim_IntList(")))
+    (fused_loss, fused, fused_sums), (plain_loss, plain, plain_sums) = runs
+    assert fused_sums == plain_sums - (1 if bias else 0)  # the projection's bias gradient reads the fused sums
     assert fused_loss == plain_loss
     _states_close(fused, plain, 1e-2)
 

@@ -150,7 +150,9 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
     h = (torch.randn(shape, generator=g_, device="cuda") * 2).bfloat16()
     g, q, inv, colsum = K.gelu_backward_fp8(dy, h, approximate)
     g_ref, _, inv_ref, colsum_ref = K.gelu_backward_fp8_reference(dy, h, approximate)
-    torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=0)
+    # where gelu' crosses zero (h near -0.75) g is tiny and erf's last bit is a large relative
+    # error (measured: 2.8% at |g| 1e-10, the H200): atol at bf16's resolution of the largest |g|
+    torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=2**-8 * float(g_ref.abs().max()) * 2**-8)
     g_MN = g.reshape(q.shape).float()
     assert torch.equal(q, (g_MN / inv).clamp(-448, 448).to(E4M3))
     torch.testing.assert_close(inv, g_MN.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
@@ -171,7 +173,9 @@ def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypa
     for fuse in (True, False):
         monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", fuse)
         step, state = _gpt(policy)
-        assert step.lower(state, batches[0]).as_text().count("fsg.gelu_backward_fp8.default(") == (2 if fuse else 0)
+        text = step.lower(state, batches[0]).as_text()
+        for op in ("gelu_backward_fp8", "gelu_fp8", "cat_rowwise_fp8"):
+            assert text.count(f"fsg.{op}.default(") == (2 if fuse else 0), op
         runs[fuse] = []
         for b in batches:
             state, m = step(state, b)
@@ -191,3 +195,44 @@ def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
     assert torch.equal(q, (x.reshape(q.shape).float() / inv).clamp(-448, 448).to(E4M3))
     torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(16, 1024, 4096), (3, 100, 200)])
+def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
+    """``fsg::gelu_fp8`` on bf16: the activation to aten's ``gelu`` (last-bit differences of
+    erf/tanh), the FP8 copy bit for bit the cast of the kernel's own activation with its own
+    scales, the scales to the reference's."""
+    from fsg._src.kernels import float8_cast as K
+
+    h = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 2).bfloat16()
+    a, q, inv = K.gelu_fp8(h, approximate)
+    a_ref, _, inv_ref = K.gelu_fp8_reference(h, approximate)
+    torch.testing.assert_close(a, a_ref, rtol=2**-7, atol=1e-6)
+    a_MN = a.reshape(q.shape).float()
+    assert torch.equal(q, (a_MN / inv).clamp(-448, 448).to(E4M3))
+    torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+@pytest.mark.parametrize("shape", [(16, 1024, 16, 64), (3, 100, 2, 40)])
+def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
+    """``fsg::cat_rowwise_fp8`` on pieces laid out as attention's gradients come ([B, T, H, D]
+    read as [B, T, C] rows) and on transposed pieces ([B, H, T, D], copied to rows first): the
+    concatenation bit for bit, the FP8 copy the cast of it with the kernel's scales, scales
+    and column sums to the reference's."""
+    from fsg._src.kernels import float8_cast as K
+
+    B, T, H, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    as_rows = [torch.randn(shape, generator=gen, device="cuda").bfloat16().view(B, T, H * D) for _ in range(pieces)]
+    transposed = [
+        torch.randn(B, H, T, D, generator=gen, device="cuda").bfloat16().transpose(1, 2) for _ in range(pieces)
+    ]
+    for xs in (as_rows, [x.reshape(B, T, H * D) for x in transposed]):
+        g, q, inv, colsum = K.cat_rowwise_fp8(xs)
+        g_ref, _, inv_ref, colsum_ref = K.cat_rowwise_fp8_reference(xs)
+        assert torch.equal(g, g_ref)
+        assert torch.equal(q, (g.reshape(q.shape).float() / inv).clamp(-448, 448).to(E4M3))
+        torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)

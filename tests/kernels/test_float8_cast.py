@@ -1,5 +1,6 @@
-"""The fused GELU-backward + rowwise FP8 cast kernel under Triton's CPU interpreter, against
-the eager reference (the unfused graph's ops).
+"""The fused rowwise FP8 cast kernel (each producer: a GELU gradient, a GELU, a concatenation,
+the rows as given) under Triton's CPU interpreter, against the eager references (the unfused
+graph's ops).
 
 float32 inputs (the interpreter's bf16 rounding is wrong). Its FP8 conversion is wrong too
 (31.17 becomes 16: a rounding carry is lost), so the launch tests hand the kernel a float32
@@ -46,7 +47,7 @@ def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate,
     q = torch.full((m, n), float("nan"))  # float32: see the module docstring
     inv = torch.full((m, 1), float("nan"))
     part = torch.full((t.programs, n), float("nan"))
-    K.launch(dy, h, g, q, inv, part, approximate, t)
+    K.launch([dy], h, g, q, inv, part, f"gelu_backward:{approximate}", t)
     assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any() or part.isnan().any())
     check_against_reference(dy, h, approximate, g, q, inv, part.sum(0))
     nonzero = g.abs().amax(1) > 0
@@ -97,7 +98,7 @@ def test_identity_producer_casts_the_rows_it_reads(m, n, seed):
     t = K.tiling(m, n)
     q, inv = torch.full((m, n), float("nan")), torch.full((m, 1), float("nan"))
     part = torch.full((t.programs, n), float("nan"))
-    K.launch(x, None, None, q, inv, part, "identity", t)
+    K.launch([x], None, None, q, inv, part, "identity", t)
     _, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
     assert rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
     assert rel(q, (x / inv_ref).clamp(-448, 448)) < 1e-5
@@ -111,3 +112,70 @@ def test_the_rowwise_fp8_op_on_3d_inputs_launches_the_kernel():
     assert q.shape == (24, 32) and q.dtype == torch.float8_e4m3fn and inv.shape == (24, 1) and colsum.shape == (32,)
     _, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
     assert rel(inv, inv_ref) < 1e-5 and rel(colsum, colsum_ref) < 1e-5
+
+
+@needs_triton
+@KERNEL
+@given(st.integers(1, 40), st.integers(1, 300), st.sampled_from(K.APPROXIMATIONS), st.integers(0, 2**31 - 1))
+def test_gelu_producer_writes_the_activation_and_its_cast(m, n, approximate, seed):
+    """``gelu_fp8``'s launch: ``a = gelu(h)`` written, cast row by row, no column sums."""
+    h = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * 3
+    t = K.tiling(m, n, colsum=False)
+    a, q, inv = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1)))
+    K.launch([h], None, a, q, inv, None, f"gelu:{approximate}", t)
+    a_ref, _, inv_ref = K.gelu_fp8_reference(h, approximate)
+    assert rel(a, a_ref) < 1e-5 and rel(inv, inv_ref) < 1e-5
+    assert rel(q, (a_ref / inv_ref).clamp(-448, 448)) < 1e-5
+
+
+@needs_triton
+@KERNEL
+@given(
+    st.integers(1, 40), st.integers(1, 100), st.sampled_from([2, 3]), st.sampled_from([None, 1, 3]),
+    st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_concatenation_reads_strided_pieces_in_place(m, c, pieces, iters, seed):
+    """A concatenation of pieces that are transposed views (as attention's gradients come):
+    the kernel reads each through its row stride and writes ``cat``, its cast, scales and
+    column sums; one row all zeros in every piece gets a finite scale."""
+    g_ = torch.Generator().manual_seed(seed)
+    heads = torch.randn(pieces, 2, m, c, generator=g_)  # each piece [H=2, M, C/2 ...] below: rows strided
+    xs = [(heads[i] * (i + 1)).transpose(0, 1)[:, 0, :] for i in range(pieces)]  # [M, C], row stride C
+    xs[-1] = torch.randn(m, 2 * c + 1, generator=g_)[:, :c]  # a row stride past its width
+    for x in xs:
+        x[0] = 0.0
+    rows = [K._rows_of(x) for x in xs]
+    assert all(r.data_ptr() == x.data_ptr() for r, x in zip(rows, xs))  # read in place, not copied
+    t = RowTiling(m, c, rows=K.tiling(m, c, pieces).rows, iters=iters)
+    n = c * pieces
+    g, q, inv, part = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1), (t.programs, n)))
+    K.launch(rows, None, g, q, inv, part, "identity", t)
+    g_ref, _, inv_ref, colsum_ref = K.cat_rowwise_fp8_reference(xs)
+    assert torch.equal(g, g_ref) and rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
+    assert rel(q, (g_ref / inv_ref).clamp(-448, 448)) < 1e-5 and not q[0].any()
+
+
+@needs_triton
+def test_the_gelu_and_cat_ops_on_3d_inputs_launch_the_kernel():
+    """The registered ops flatten ``[B, T, N]`` to rows; the cat's pieces may be views."""
+    h = torch.randn(3, 7, 48) * 2
+    a, q, inv = K.gelu_fp8(h, "tanh")
+    assert a.shape == h.shape and q.shape == (21, 48) and q.dtype == torch.float8_e4m3fn and inv.shape == (21, 1)
+    assert rel(a, K.gelu_fp8_reference(h, "tanh")[0]) < 1e-5
+    heads = [torch.randn(3, 2, 7, 8) for _ in range(3)]  # [B, H, T, D] viewed as [B, T, H * D]
+    xs = [x.transpose(1, 2).reshape(3, 7, 16) for x in heads]
+    g, q, inv, colsum = K.cat_rowwise_fp8(xs)
+    g_ref, _, inv_ref, colsum_ref = K.cat_rowwise_fp8_reference(xs)
+    assert g.shape == (3, 7, 48) and q.shape == (21, 48) and colsum.shape == (48,)
+    assert torch.equal(g, g_ref) and rel(inv, inv_ref) < 1e-5 and rel(colsum, colsum_ref) < 1e-5
+
+
+def test_fake_shapes_of_the_gelu_and_cat_ops_match_the_real_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    h, xs = torch.randn(2, 5, 32), [torch.randn(2, 5, 8) for _ in range(3)]
+    real = [K.gelu_fp8(h, "none"), K.cat_rowwise_fp8(xs)]
+    with FakeTensorMode() as mode:
+        fake = [K.gelu_fp8(mode.from_tensor(h), "none"), K.cat_rowwise_fp8([mode.from_tensor(x) for x in xs])]
+    for r, f in zip(real, fake):
+        assert [(t.shape, t.dtype) for t in f] == [(t.shape, t.dtype) for t in r]

@@ -1,21 +1,27 @@
-"""Fused FP8 casts for the float8 pass (``passes/float8.py``): a tensor's rowwise FP8 copy and
-its column sums in one read, with the tensor's producer where that producer is a GELU gradient.
+"""Fused FP8 casts for the float8 pass (``passes/float8.py``): a tensor's rowwise FP8 copy
+(and, where a bias gradient sums it, its column sums) in one read, computed in the kernel
+that produces the tensor where that producer is an elementwise op of the MLP or a
+concatenation.
 
 Shape legend: M rows (tokens), N the row width (the contracted dim of the matmul that reads the
-FP8 copy).
+FP8 copy), C the width of one piece of a concatenation.
 
-``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)`` feeds three
-readers under ``Float8(recipe="rowwise")``: the grad-input matmul (FP8, a scale per row of
-``g``), the grad-weight matmul (``g`` in bfloat16) and the bias gradient (``g``'s column
-sums). Left to Inductor that is a pointwise kernel writing ``g`` and a mixed-order reduction
-that computes ``g`` again for the row maxima, the cast and the column sums (226 us a layer at
-GPT-2 355M on the H200, benchmarks/RESULTS.md). This kernel reads ``dy`` and ``h`` once and
-writes ``g``, its FP8 copy with one inverse scale per row, and float32 column-sum partials,
-one row per program, which one torch reduction sums.
+Left to Inductor, each cast is a row reduction (the amax) fused with the tensor's producer,
+and the producer is computed again for the writes (benchmarks/RESULTS.md: 226 us a layer for
+the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). One kernel,
+``_rowwise_fp8_kernel``, does each case in one read of its inputs:
 
-``rowwise_fp8``: the same cast and column sums of a tensor already written (a residual
-stream's gradient, which feeds a grad-input matmul and a bias gradient); the pass uses it only
-with ``float8_quantize.FUSE_COLUMN_SUMS`` (off until measured against Inductor's kernels).
+- ``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)``, read by the
+  grad-input matmul (FP8, a scale per row), the grad-weight matmul (``g`` in bfloat16) and the
+  bias gradient (``g``'s column sums): writes ``g``, its FP8 copy and inverse scales, and
+  float32 column-sum partials (at most ``MAX_PROGRAMS`` rows, summed by one torch reduction).
+- ``gelu_fp8``: the MLP's activation ``a = gelu(h)``, read by the down-projection (FP8) and
+  its grad-weight (bfloat16): writes ``a``, its FP8 copy and scales.
+- ``cat_rowwise_fp8``: a fused qkv projection's gradient, ``cat([dq, dk, dv], -1)``, whose
+  pieces come transposed out of attention's backward: reads each piece in place and writes
+  the concatenation, its FP8 copy, scales and column sums.
+- ``rowwise_fp8``: the cast and column sums of a tensor already written (off by default in
+  the pass: measured slower where Inductor fuses the cast into a layer norm's backward).
 
 The quantities equal the unfused graph's (``Quantizer.rowwise_operand``): the row maxima and
 the column sums are of the rows rounded to their dtype, ``scale = fp8_max / max(amax, eps)``,
@@ -32,7 +38,6 @@ from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
 
 E4M3 = torch.float8_e4m3fn
 EPS = 1e-12  # the smallest amax a scale is computed from (the float8 pass's casts use it too)
-_MAX_PROGRAMS = 512  # column-sum partial rows: about 4 per SM on an H200, few enough to sum cheaply
 APPROXIMATIONS = ("none", "tanh")
 
 
@@ -43,71 +48,149 @@ def _gelu_grad(h, TANH: tl.constexpr):
         beta = 0.7978845608028654  # sqrt(2 / pi)
         kappa = 0.044715
         inner = beta * (h + kappa * h * h * h)
-        e = tl.exp(-2.0 * tl.abs(inner))  # in (0, 1]: tanh to a few ulps at every inner, no overflow
-        t = (1.0 - e) / (1.0 + e)
-        t = tl.where(inner < 0, -t, t)
+        t = _tanh(inner)
         return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * h * h)
     cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
     pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327  # 1 / sqrt(2 pi)
     return cdf + h * pdf
 
 
-# What computes the rows the kernel casts: read as they are, or a GELU gradient from dy and h.
-PRODUCERS = {"identity": 0, "none": 1, "tanh": 2}  # the last two: gelu_backward's `approximate`
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: tanh to a few ulps at every x, no overflow
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _gelu(h, TANH: tl.constexpr):
+    """``gelu(h)`` in float32, as aten's ``gelu`` computes it."""
+    if TANH:
+        return 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
+    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+
+
+# What computes the rows the kernel casts from what it reads (x, and h for a GELU gradient):
+# the rows as read (also the pieces of a concatenation), gelu'(h) * x for each of
+# gelu_backward's `approximate` forms, or gelu(x) for each of gelu's.
+PRODUCERS = {"identity": 0, "gelu_backward:none": 1, "gelu_backward:tanh": 2, "gelu:none": 3, "gelu:tanh": 4}
+
+
+@triton.jit
+def _produce(
+    x_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, stride, N, col0, PRODUCER: tl.constexpr, WRITE_G: tl.constexpr
+):
+    """One piece's ``[ROWS, BLOCK]`` tile of the rows ``g`` in float32 (0 where masked):
+    produced from ``x`` (row stride ``stride``, ``C`` wide), stored to ``g`` at columns
+    ``col0 + cols`` of its ``N``-wide rows when ``WRITE_G``, as the rounded values there."""
+    mask = row_ok[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    if PRODUCER == 0:
+        g = x
+    elif PRODUCER <= 2:
+        h = tl.load(h_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(g_ptr.dtype.element_ty)
+    else:
+        g = _gelu(x.to(tl.float32), PRODUCER == 4).to(g_ptr.dtype.element_ty)
+    if WRITE_G:
+        tl.store(g_ptr + rows[:, None] * N + col0 + cols[None, :], g, mask=mask)
+    return tl.where(mask, g.to(tl.float32), 0.0)  # what the readers of g see: its rounded values
+
+
+@triton.jit
+def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
+    q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+    mask = row_ok[:, None] & (cols < C)[None, :]
+    tl.store(q_ptr + rows[:, None] * N + col0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rowwise_fp8_kernel(
-    x_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, M, N, fp8_max, eps,
-    PRODUCER: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, M, C, s0, s1, s2, fp8_max, eps,
+    PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
+    ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``g`` (``x`` itself, or ``x * gelu'(h)`` stored to ``g_ptr``) cast row by row to
-    FP8, their inverse scales, and one float32 row of column sums per program."""
+    """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
+    stride ``s_i``), produced and cast row by row to FP8 with their inverse scales; ``g``
+    itself stored when ``WRITE_G``; one float32 row of column sums per program when
+    ``COLSUM``."""
     pid = tl.program_id(0)
+    N = C * PIECES
     cols = tl.arange(0, BLOCK)
-    colsum = tl.zeros([BLOCK], tl.float32)
+    colsum0 = tl.zeros([BLOCK], tl.float32)
+    colsum1 = tl.zeros([BLOCK], tl.float32)
+    colsum2 = tl.zeros([BLOCK], tl.float32)
     for it in range(ITERS):
-        first = (pid * ITERS + it) * ROWS
-        rows = first.to(tl.int64) + tl.arange(0, ROWS)
+        rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
         row_ok = rows < M
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PRODUCER == 0:
-            g = x.to(tl.float32)
-        else:
-            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(g_ptr.dtype.element_ty)
-            tl.store(g_ptr + offs, g, mask=mask)
-            g = g.to(tl.float32)  # what the readers of g see: its rounded values
-        g = tl.where(mask, g, 0.0)
-        amax = tl.maximum(tl.max(tl.abs(g), axis=1), eps)
-        scale = (1.0 / amax) * fp8_max
-        q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
-        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        g0 = _produce(x0_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s0, N, 0, PRODUCER, WRITE_G)
+        amax = tl.max(tl.abs(g0), axis=1)
+        if PIECES > 1:
+            g1 = _produce(x1_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s1, N, C, PRODUCER, WRITE_G)
+            amax = tl.maximum(amax, tl.max(tl.abs(g1), axis=1))
+        if PIECES > 2:
+            g2 = _produce(x2_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
+            amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=1))
+        scale = (1.0 / tl.maximum(amax, eps)) * fp8_max
         tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
-        colsum += tl.sum(g, axis=0)
-    tl.store(colsum_part_ptr + pid * N + cols, colsum, mask=cols < N)
+        _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)
+        if COLSUM:
+            colsum0 += tl.sum(g0, axis=0)
+        if PIECES > 1:
+            _store_fp8(q_ptr, g1, scale, rows, row_ok, cols, C, N, C, fp8_max)
+            if COLSUM:
+                colsum1 += tl.sum(g1, axis=0)
+        if PIECES > 2:
+            _store_fp8(q_ptr, g2, scale, rows, row_ok, cols, C, N, 2 * C, fp8_max)
+            if COLSUM:
+                colsum2 += tl.sum(g2, axis=0)
+    if COLSUM:
+        tl.store(colsum_part_ptr + pid * N + cols, colsum0, mask=cols < C)
+        if PIECES > 1:
+            tl.store(colsum_part_ptr + pid * N + C + cols, colsum1, mask=cols < C)
+        if PIECES > 2:
+            tl.store(colsum_part_ptr + pid * N + 2 * C + cols, colsum2, mask=cols < C)
 
 
-def tiling(M: int, N: int) -> RowTiling:
-    """Rows of one tile as ``RowTiling`` picks them; enough iterations that at most
-    ``_MAX_PROGRAMS`` programs (column-sum partials) remain."""
-    rows = RowTiling(M, N).rows
-    return RowTiling(M, N, rows=rows, iters=max(1, math.ceil(M / (rows * _MAX_PROGRAMS))))
+def tiling(M: int, C: int, pieces: int = 1, colsum: bool = True) -> RowTiling:
+    """Rows of one tile as ``RowTiling`` picks them for ``C``-wide pieces (``TILE`` elements
+    across the pieces); with column sums, enough iterations that at most ``MAX_PROGRAMS``
+    programs (column-sum partial rows) remain."""
+    block = triton.next_power_of_2(C)
+    rows = 1 << max(0, min(16, TILE // (block * pieces)).bit_length() - 1)  # a power of two, 1 to 16
+    iters = max(1, math.ceil(M / (rows * MAX_PROGRAMS))) if colsum else 1
+    return RowTiling(M, C, rows=rows, iters=iters, num_warps=WARPS.get(block * pieces * rows))
 
 
-def launch(x_MN, h_MN, g_MN, q_MN, inv_M, colsum_part_PN, producer: str, t: RowTiling | None = None) -> None:
-    """Writes into the given outputs (``h_MN`` and ``g_MN`` ``None`` for ``"identity"``);
-    ``colsum_part_PN`` has ``t.programs`` rows (default tiling: ``tiling(M, N)``), whose sum is
-    the column sums. ``q_MN`` is scaled for ``float8_e4m3fn`` whatever its dtype (the CPU
-    tests pass float32: see their docstring)."""
-    M, N = x_MN.shape
-    t = t or tiling(M, N)
+TILE = 4096  # elements a program holds at once, across the pieces
+MAX_PROGRAMS = 512  # column-sum partial rows: about 4 per SM on an H200, few enough to sum cheaply
+WARPS: dict[int, int] = {}  # tile elements -> num_warps where RowTiling's default is not the best
+
+
+def launch(
+    xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum_part_PN, producer: str,
+    t: RowTiling | None = None,
+) -> None:  # fmt: skip
+    """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
+    stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the GELU input of a
+    ``"gelu_backward:*"`` producer (``x``'s strides), else ``None``; ``g_MN`` ``None`` where
+    the rows are not written (``"identity"`` with one piece); ``colsum_part_PN`` ``None``
+    for no column sums, else ``t.programs`` rows whose sum is the column sums. ``q_MN`` is
+    scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
+    docstring)."""
+    M, C = xs[0].shape
+    assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
+    assert h_MC is None or h_MC.stride() == xs[0].stride()
+    colsum = colsum_part_PN is not None
+    t = t or tiling(M, C, len(xs), colsum)
+    strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
+    x0 = xs[0]
     _rowwise_fp8_kernel[(t.programs,)](
-        x_MN, x_MN if h_MN is None else h_MN, x_MN if g_MN is None else g_MN, q_MN, inv_M, colsum_part_PN, M, N,
+        x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
+        q_MN, inv_M, q_MN if colsum_part_PN is None else colsum_part_PN, M, C, *strides,
         float(torch.finfo(E4M3).max), EPS,
-        PRODUCER=PRODUCERS[producer], ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+        PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None, COLSUM=colsum,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
     )  # fmt: skip
 
 
@@ -126,13 +209,32 @@ def gelu_backward_fp8_reference(dy, h, approximate: str, fp8_dtype: torch.dtype 
     return (g, *rowwise_fp8_reference(g, fp8_dtype))
 
 
-def _outputs(x: torch.Tensor):
-    N = x.shape[-1]
-    M = x.numel() // N if N else 0
-    t = tiling(M, N)
-    f32 = {"dtype": torch.float32, "device": x.device}
-    q, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
-    return t, q, inv, torch.empty((t.programs, N), **f32)
+def gelu_fp8_reference(h, approximate: str, fp8_dtype: torch.dtype = E4M3):
+    """``(a, q_MN, inv_M1)`` in plain torch: the unfused graph's ops."""
+    a = torch.ops.aten.gelu.default(h, approximate=approximate)
+    return (a, *rowwise_fp8_reference(a, fp8_dtype)[:2])
+
+
+def cat_rowwise_fp8_reference(xs, fp8_dtype: torch.dtype = E4M3):
+    """``(g, q_MN, inv_M1, colsum_N)`` of ``g = cat(xs, -1)`` in plain torch."""
+    g = torch.cat(xs, -1)
+    return (g, *rowwise_fp8_reference(g, fp8_dtype))
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[M, C]`` rows with unit column stride: a view where its strides allow."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 or rows.shape[1] <= 1 else rows.contiguous()
+
+
+def _outputs(M: int, N: int, device, t: RowTiling, colsum: bool):
+    f32 = {"dtype": torch.float32, "device": device}
+    q, inv = torch.empty((M, N), dtype=E4M3, device=device), torch.empty((M, 1), **f32)
+    return q, inv, torch.empty((t.programs, N), **f32) if colsum else None
+
+
+def _num_rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 @torch.library.custom_op("fsg::gelu_backward_fp8", mutates_args=())
@@ -146,10 +248,26 @@ def gelu_backward_fp8(
         return gelu_backward_fp8_reference(dy, h, approximate)
     N = dy.shape[-1]
     dy_MN, h_MN = dy.reshape(-1, N).contiguous(), h.reshape(-1, N).contiguous()
-    t, q_MN, inv_M1, part = _outputs(dy)
+    t = tiling(dy_MN.shape[0], N)
+    q_MN, inv_M1, part = _outputs(dy_MN.shape[0], N, dy.device, t, colsum=True)
     g_MN = torch.empty_like(dy_MN)
-    launch(dy_MN, h_MN, g_MN, q_MN, inv_M1, part, approximate, t)
+    launch([dy_MN], h_MN, g_MN, q_MN, inv_M1, part, f"gelu_backward:{approximate}", t)
     return g_MN.reshape(dy.shape), q_MN, inv_M1, part.sum(0)
+
+
+@torch.library.custom_op("fsg::gelu_fp8", mutates_args=())
+def gelu_fp8(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten.gelu(h, approximate)`` (shape ``[..., N]``), with the rowwise ``float8_e4m3fn``
+    copy of its ``[M, N]`` rows and their inverse scales ``[M, 1]``, in one read of ``h``."""
+    if not use_triton(h):
+        return gelu_fp8_reference(h, approximate)
+    h_MN = _rows_of(h)
+    M, N = h_MN.shape
+    t = tiling(M, N, colsum=False)
+    q_MN, inv_M1, _ = _outputs(M, N, h.device, t, colsum=False)
+    a_MN = torch.empty((M, N), dtype=h.dtype, device=h.device)
+    launch([h_MN], None, a_MN, q_MN, inv_M1, None, f"gelu:{approximate}", t)
+    return a_MN.reshape(h.shape), q_MN, inv_M1
 
 
 @torch.library.custom_op("fsg::rowwise_fp8", mutates_args=())
@@ -158,16 +276,35 @@ def rowwise_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     ``[M, 1]`` and ``x``'s float32 column sums ``[N]``, in one read of ``x``."""
     if not use_triton(x):
         return rowwise_fp8_reference(x)
-    t, q_MN, inv_M1, part = _outputs(x)
-    launch(x.reshape(-1, x.shape[-1]).contiguous(), None, None, q_MN, inv_M1, part, "identity", t)
+    x_MN = _rows_of(x)
+    t = tiling(*x_MN.shape)
+    q_MN, inv_M1, part = _outputs(*x_MN.shape, x.device, t, colsum=True)
+    launch([x_MN], None, None, q_MN, inv_M1, part, "identity", t)
     return q_MN, inv_M1, part.sum(0)
 
 
-def _fake_rows(x: torch.Tensor):
-    N = x.shape[-1]
-    M = x.numel() // N if N else 0
-    f32 = {"dtype": torch.float32, "device": x.device}
-    return torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32), torch.empty((N,), **f32)
+@torch.library.custom_op("fsg::cat_rowwise_fp8", mutates_args=())
+def cat_rowwise_fp8(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``g = cat(xs, -1)`` of two or three pieces of one shape ``[..., C]`` (contiguous), with
+    the rowwise ``float8_e4m3fn`` copy of its ``[M, N]`` rows, their inverse scales ``[M, 1]``
+    and its float32 column sums ``[N]``, reading each piece once (strided pieces too: an
+    attention gradient's transposed heads)."""
+    if not use_triton(xs[0]):
+        return cat_rowwise_fp8_reference(xs)
+    pieces = [_rows_of(x) for x in xs]
+    (M, C), N = pieces[0].shape, xs[0].shape[-1] * len(xs)
+    t = tiling(M, C, len(xs))
+    q_MN, inv_M1, part = _outputs(M, N, xs[0].device, t, colsum=True)
+    g_MN = torch.empty((M, N), dtype=xs[0].dtype, device=xs[0].device)
+    launch(pieces, None, g_MN, q_MN, inv_M1, part, "identity", t)
+    return g_MN.reshape(*xs[0].shape[:-1], N), q_MN, inv_M1, part.sum(0)
+
+
+def _fake_rows(x: torch.Tensor, N: int | None = None, colsum: bool = True):
+    N = x.shape[-1] if N is None else N
+    M, f32 = _num_rows(x), {"dtype": torch.float32, "device": x.device}
+    q, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
+    return (q, inv, torch.empty((N,), **f32)) if colsum else (q, inv)
 
 
 @rowwise_fp8.register_fake
@@ -178,3 +315,14 @@ def _(x):
 @gelu_backward_fp8.register_fake
 def _(dy, h, approximate):
     return (torch.empty(dy.shape, dtype=dy.dtype, device=dy.device), *_fake_rows(dy))  # g contiguous, as written
+
+
+@gelu_fp8.register_fake
+def _(h, approximate):
+    return (torch.empty(h.shape, dtype=h.dtype, device=h.device), *_fake_rows(h, colsum=False))
+
+
+@cat_rowwise_fp8.register_fake
+def _(xs):
+    N = xs[0].shape[-1] * len(xs)
+    return (torch.empty((*xs[0].shape[:-1], N), dtype=xs[0].dtype, device=xs[0].device), *_fake_rows(xs[0], N))

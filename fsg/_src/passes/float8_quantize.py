@@ -23,12 +23,24 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = float8_cast.EPS  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
 _ALIASES = (aten.detach.default, aten.alias.default)
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-GELU_BACKWARD, SUM_DIM = aten.gelu_backward.default, aten.sum.dim_IntList
-GELU_BACKWARD_FP8 = torch.ops.fsg.gelu_backward_fp8.default
+GELU, GELU_BACKWARD, CAT, SUM_DIM = (
+    aten.gelu.default,
+    aten.gelu_backward.default,
+    aten.cat.default,
+    aten.sum.dim_IntList,
+)
+FUSED_OPS = {
+    GELU_BACKWARD: torch.ops.fsg.gelu_backward_fp8.default,
+    GELU: torch.ops.fsg.gelu_fp8.default,
+    CAT: torch.ops.fsg.cat_rowwise_fp8.default,
+}
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 # The fused kernels of kernels/float8_cast.py (benchmarks/gpt.py turns each off for its A/B):
-FUSE_PRODUCERS = True  # a GELU gradient, its cast and column sums in one kernel
-FUSE_COLUMN_SUMS = False  # any other rowwise operand with a bias gradient: its cast and column sums (unmeasured)
+FUSE_PRODUCERS = (
+    True  # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
+)
+FUSED_PRODUCERS = frozenset(FUSED_OPS)
+FUSE_COLUMN_SUMS = False  # any other rowwise operand with a bias gradient: its cast and column sums (slower at 355M)
 _DENSE = {"memory_format": torch.contiguous_format}
 
 
@@ -58,7 +70,11 @@ class Quantizer:
     """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
 
     def __init__(
-        self, graph: fx.Graph, rowwise: bool = False, amax_groups: tuple[str, ...] = (), batch: frozenset | set = frozenset()
+        self,
+        graph: fx.Graph,
+        rowwise: bool = False,
+        amax_groups: tuple[str, ...] = (),
+        batch: frozenset | set = frozenset(),
     ) -> None:
         self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
         # tensorwise on a mesh: each amax of a tensor in ``batch`` is all-reduced (max) over these groups
@@ -125,12 +141,14 @@ class Quantizer:
         Each row's amax is a reduction over one row, so the cast needs no pass over the whole
         tensor first and can run in the kernel that produces the row."""
         if (t, flip, dtype) not in self.casts and not flip and FUSE_PRODUCERS:
-            self.fused_gelu_backward(t, dtype)
+            self.fused_producer(t, dtype)
         if (t, flip, dtype) not in self.casts and not flip and FUSE_COLUMN_SUMS:
             self.fused_column_sums(t, dtype)
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
-            scale = self.scale_of(self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype)
+            scale = self.scale_of(
+                self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype
+            )
             self.casts[(t, flip, dtype)] = self.cast(rows, scale, dtype)
             self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))
         cast, inv = self.casts[(t, flip, dtype)], self.scales[(t, flip, dtype)]
@@ -138,37 +156,68 @@ class Quantizer:
             return self.call(aten.t.default, (cast,)), self.call(aten.t.default, (inv,))
         return cast, inv
 
-    def fused_gelu_backward(self, t: fx.Node, dtype: torch.dtype) -> None:
-        """If ``t`` is ``g = aten.gelu_backward(dy, h)`` (its rows flattened to 2-D), computes
-        ``g``, its rowwise FP8 copy and its column sums in one kernel
-        (``kernels/float8_cast.py``): ``gelu_backward`` becomes that op, the copy and its
-        inverse scales are ``t``'s cast, and each bias gradient ``sum(t, [0])`` reads the
-        column sums. Anything else is left to the generic cast."""
+    def fused_producer(self, t: fx.Node, dtype: torch.dtype) -> None:
+        """If ``t`` (its rows flattened to 2-D) is the output of an op ``kernels/float8_cast.py``
+        fuses with the cast (``FUSED_OPS``: a GELU gradient, a GELU, a concatenation along the
+        rows), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
+        sums in one kernel: the op becomes the fused op, whose copy and inverse scales are
+        ``t``'s cast, and each ``sum(t, [0])`` reads the fused column sums. Anything else is
+        left to the generic cast."""
         producer = t
         while producer.op == "call_function" and producer.target in _FLATTENS:
             producer = producer.args[0]
-        if producer.op != "call_function" or producer.target is not GELU_BACKWARD or dtype != float8_cast.E4M3:
+        if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS or dtype != float8_cast.E4M3:
             return
-        dy, h = producer.args[:2]
-        approximate = producer.kwargs.get("approximate", producer.args[2] if len(producer.args) > 2 else "none")
         g_val, t_val = producer.meta["val"], t.meta["val"]
-        if not (isinstance(dy, fx.Node) and isinstance(h, fx.Node)) or approximate not in float8_cast.APPROXIMATIONS:
+        if g_val.dim() < 2 or t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1]:
             return
-        if dy.meta["val"].shape != g_val.shape or h.meta["val"].shape != g_val.shape or g_val.dim() < 2:
+        if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
             return
-        if not all(v.meta["val"].is_contiguous() for v in (dy, h, producer)):  # the op writes g row-major
-            return
-        if t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1] or g_val.dtype not in (torch.bfloat16, torch.float16):
+        args = self.fused_args(producer)
+        if args is None:
             return
         with self.graph.inserting_before(producer.next):
-            fused = self.call(GELU_BACKWARD_FP8, (dy, h, approximate))
-            g, q, inv, colsum = (self.item(fused, i) for i in range(4))
+            fused = self.call(FUSED_OPS[producer.target], args)
+            g, q, inv, *colsum = (self.item(fused, i) for i in range(len(fused.meta["val"])))
             producer.replace_all_uses_with(g)
             self.graph.erase_node(producer)
-        rows = g if t is producer else t  # a 2-D gradient is the producer itself: its readers now read g
+        rows = g if t is producer else t  # a 2-D producer is t itself: its readers now read g
         for key in {(t, False, dtype), (rows, False, dtype)}:
             self.casts[key], self.scales[key] = q, inv
-        self.read_column_sums(rows, colsum)
+        if colsum:
+            self.read_column_sums(rows, colsum[0])
+
+    @staticmethod
+    def fused_args(producer: fx.Node) -> tuple | None:
+        """The fused op's arguments for ``producer`` (``FUSED_OPS``), or ``None`` where the
+        kernel does not cover it."""
+
+        def approximate(i: int) -> str:
+            return producer.kwargs.get("approximate", producer.args[i] if len(producer.args) > i else "none")
+
+        shape = producer.meta["val"].shape
+        if producer.target is GELU_BACKWARD:
+            dy, h = producer.args[:2]
+            if (
+                not (isinstance(dy, fx.Node) and isinstance(h, fx.Node))
+                or approximate(2) not in float8_cast.APPROXIMATIONS
+            ):
+                return None
+            if any(v.meta["val"].shape != shape or not v.meta["val"].is_contiguous() for v in (dy, h)):
+                return None
+            return (dy, h, approximate(2))
+        if producer.target is GELU:
+            h = producer.args[0]
+            if not isinstance(h, fx.Node) or approximate(1) not in float8_cast.APPROXIMATIONS:
+                return None
+            return (h, approximate(1)) if h.meta["val"].is_contiguous() else None
+        pieces, dim = producer.args[0], producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("dim", 0)
+        if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
+            return None
+        vals = [p.meta["val"] if isinstance(p, fx.Node) else None for p in pieces]
+        if any(v is None or v.shape != vals[0].shape or v.dtype != vals[0].dtype or v.stride(-1) != 1 for v in vals):
+            return None
+        return (list(pieces),)
 
     def fused_column_sums(self, t: fx.Node, dtype: torch.dtype) -> None:
         """If a bias gradient sums ``t``'s columns, ``t``'s rowwise cast and those sums in one
@@ -185,6 +234,7 @@ class Quantizer:
     @staticmethod
     def column_sums(t: fx.Node) -> list[fx.Node]:
         """The users of 2-D ``t`` that sum its columns (``sum(t, [0])``: a bias gradient)."""
+
         def sums_columns(user: fx.Node) -> bool:
             dims = user.args[1] if len(user.args) > 1 else None
             return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None

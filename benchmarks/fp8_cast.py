@@ -1,0 +1,154 @@
+"""The fused rowwise FP8 cast kernels (``fsg/_src/kernels/float8_cast.py``) beside Inductor's
+code for the same unfused ops, and a sweep of their tilings, in one run on one GPU.
+
+    python benchmarks/fp8_cast.py                # 355M and 1.3B shapes, markdown to stdout
+    python benchmarks/fp8_cast.py --sweep        # also every tiling of the sweep
+
+Each case is one tensor of a GPT-2 step at batch 16 x 1024 (M = 16,384 token rows) under
+``Float8(recipe="rowwise")``: the MLP's GELU gradient (``gelu_backward_fp8``), its activation
+(``gelu_fp8``), the qkv gradient ``cat([dq, dk, dv])`` whose pieces come out of attention's
+backward as transposed heads (``cat_rowwise_fp8``), and a residual-stream gradient
+(``rowwise_fp8``). "Inductor" is ``torch.compile`` of the reference (the ops the float8 pass
+emits when nothing is fused). GB/s counts the bytes each must move (inputs read once, outputs
+written once), against a device-to-device copy of 1 GiB in the same run. Times are medians of
+``triton.testing.do_bench`` (CUDA events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+
+import torch
+from triton.testing import do_bench
+
+from fsg._src.kernels import float8_cast as K
+from fsg._src.kernels._common import RowTiling
+
+M = 16384
+
+
+def _ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _cases(widths: dict[str, int]):
+    """``(name, fused op, reference, inputs, bytes moved, launch(t) or None)`` per case."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen, device="cuda") * scale).bfloat16()
+
+    for model, C in widths.items():
+        H = 4 * C
+        dy, h = randn(M, H, scale=1e-3), randn(M, H, scale=2)
+        heads = C // 64
+        # attention's gradients: [B, T, H, D] in memory (q's layout), read as [B, T, C] rows
+        pieces = [randn(16, 1024, heads, 64).view(16, 1024, C) for _ in range(3)]
+        x = randn(M, C)
+        f8, f32 = 1, 4
+        yield (f"{model} GELU gradient [{M}, {H}]", K.gelu_backward_fp8, K.gelu_backward_fp8_reference,
+               (dy, h, "tanh"), M * H * (2 + 2 + 2 + f8), "gelu_backward:tanh")  # fmt: skip
+        yield (f"{model} GELU activation [{M}, {H}]", K.gelu_fp8, K.gelu_fp8_reference,
+               (h, "tanh"), M * H * (2 + 2 + f8), "gelu:tanh")  # fmt: skip
+        yield (f"{model} qkv gradient cat 3 x [{M}, {C}]", K.cat_rowwise_fp8, K.cat_rowwise_fp8_reference,
+               (pieces,), M * 3 * C * (2 + 2 + f8), "cat")  # fmt: skip
+        yield (f"{model} residual gradient [{M}, {C}]", K.rowwise_fp8, K.rowwise_fp8_reference,
+               (x,), M * C * (2 + f8) + M * f32, "identity")  # fmt: skip
+
+
+def _launcher(kind: str, args, t: RowTiling):
+    """A launch of the kernel alone with tiling ``t`` (outputs allocated once)."""
+    if kind == "cat":
+        xs = [K._rows_of(p) for p in args[0]]
+        producer, h = "identity", None
+    elif kind.startswith("gelu_backward"):
+        xs, h, producer = [args[0]], args[1], kind
+    else:
+        xs, h, producer = [args[0]], None, kind
+    M_, C = xs[0].shape
+    N = C * len(xs)
+    colsum = not kind.startswith("gelu:")
+    q = torch.empty((M_, N), dtype=K.E4M3, device="cuda")
+    inv = torch.empty((M_, 1), dtype=torch.float32, device="cuda")
+    part = torch.empty((t.programs, N), dtype=torch.float32, device="cuda") if colsum else None
+    g = None if kind == "identity" else torch.empty((M_, N), dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        K.launch(xs, h, g, q, inv, part, producer, t)
+        if part is not None:
+            part.sum(0)
+
+    return run
+
+
+def _copy_gbs() -> float:
+    src = torch.empty(1 << 28, device="cuda")  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _ms(lambda: dst.copy_(src)) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time every tiling of the sweep")
+    parser.add_argument("--models", default="355M,1.3B", help="which models' widths: 355M (1024), 1.3B (2048)")
+    args = parser.parse_args()
+    copy_gbs = _copy_gbs()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}")
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)\n")
+    print("| case | implementation | ms | GB/s | of copy | vs Inductor |")
+    print("|---|---|---|---|---|---|")
+    for name, op, ref, inputs, moved, kind in _cases({m: {"355M": 1024, "1.3B": 2048}[m] for m in args.models.split(",")}):
+        compiled = torch.compile(ref)
+        t_ind = _ms(lambda: compiled(*inputs))
+        t_op = _ms(lambda: op(*inputs))
+        for label, t in (("Inductor (unfused ops, compiled)", t_ind), ("fsg fused op (default tiling)", t_op)):
+            gbs = moved / t / 1e6
+            print(f"| {name} | {label} | {t:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / t:.2f}x |", flush=True)
+        if not args.sweep:
+            continue
+        xs0 = inputs[0][0] if kind == "cat" else inputs[0]
+        C = xs0.shape[-1]
+        pieces = 3 if kind == "cat" else 1
+        colsum = not kind.startswith("gelu:")
+        best = None
+        for rows, programs, warps in itertools.product((1, 2, 4), (512, 2048, 0), (4, 8, 16)):
+            if rows * pieces * triton_block(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
+                continue
+            iters = 1 if programs == 0 else max(1, -(-M // (rows * programs)))
+            t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps)
+            try:
+                ms = _ms(_launcher(kind, inputs, t))
+            except Exception as exc:  # a tiling the compiler refuses (resources): skip it
+                print(
+                    f"| {name} | rows={rows} programs={t.programs} warps={warps} | failed: {type(exc).__name__} |  |  |  |"
+                )
+                continue
+            gbs = moved / ms / 1e6
+            print(f"| {name} | rows={rows} iters={iters} programs={t.programs} warps={warps} | {ms:.3f} | {gbs:.0f} | "
+                  f"{gbs / copy_gbs:.0%} | {t_ind / ms:.2f}x |", flush=True)  # fmt: skip
+            best = min(best or (ms, ""), (ms, f"rows={rows} iters={iters} warps={warps}"))
+        print(
+            f"| {name} | **best of the sweep**: {best[1]} | {best[0]:.3f} |  |  | {t_ind / best[0]:.2f}x |", flush=True
+        )
+    # correctness beside the reference, on the timed shapes
+    for name, op, ref, inputs, _, _ in _cases({"355M": 1024}):
+        out, want = op(*inputs), ref(*inputs)
+        first = 0 if op is K.rowwise_fp8 else 1  # where the FP8 copy is among the outputs
+        q, inv, inv_ref = out[first], out[first + 1], want[first + 1]
+        rows = (inputs[0] if op is K.rowwise_fp8 else out[0]).reshape(q.shape).float()
+        ok = torch.equal(q, (rows / inv).clamp(-448, 448).to(K.E4M3))
+        err = float(((inv - inv_ref).abs() / inv_ref.abs()).max())
+        print(
+            f"\n{name}: FP8 bytes are the cast of its own rows with its scales: {ok}; "
+            f"scales vs the reference's: max rel. difference {err:.1e}"
+        )
+
+
+def triton_block(C: int) -> int:
+    return 1 << (C - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
