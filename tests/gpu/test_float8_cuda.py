@@ -40,6 +40,19 @@ def _fp8_gpu() -> bool:
 needs_fp8 = pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores (compute capability 8.9+)")
 
 
+def assert_fp8_cast(q, rows, inv):
+    """``q`` is ``rows`` cast to e4m3 with the inverse scales ``inv``: every byte within one
+    e4m3 step of ``rows / inv`` and nearly all bit for bit. The kernel multiplies by its own
+    scale (``448 / amax``, Triton's float32 division) and ``inv`` is that scale's reciprocal,
+    so ``rows / inv`` can land across a rounding boundary from ``rows * scale`` (measured on
+    the H200: the scales match torch's to 1 ulp, 1.3e-7)."""
+    want = (rows / inv).clamp(-448, 448)
+    assert q.dtype == E4M3 and q.shape == want.shape
+    exact = q == want.to(E4M3)
+    assert float(exact.float().mean()) > 0.999, f"{int((~exact).sum())} of {exact.numel()} bytes differ"
+    assert bool(((q.float() - want).abs() <= want.abs() * 2**-3 + 2**-9).all())  # one step: 3 mantissa bits
+
+
 def _gpt(policy, backend="inductor"):
     torch.manual_seed(0)
     model = GPT(GPT_CFG).cuda()
@@ -154,7 +167,7 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
     # error (measured: 2.8% at |g| 1e-10, the H200): atol at bf16's resolution of the largest |g|
     torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=2**-8 * float(g_ref.abs().max()) * 2**-8)
     g_MN = g.reshape(q.shape).float()
-    assert torch.equal(q, (g_MN / inv).clamp(-448, 448).to(E4M3))
+    assert_fp8_cast(q, g_MN, inv)
     torch.testing.assert_close(inv, g_MN.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
     torch.testing.assert_close(colsum, g_MN.sum(0), rtol=1e-4, atol=1e-4 * float(g_MN.abs().sum(0).max()))
     torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
@@ -193,7 +206,7 @@ def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     q, inv, colsum = K.rowwise_fp8(x)
     q_ref, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
     torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
-    assert torch.equal(q, (x.reshape(q.shape).float() / inv).clamp(-448, 448).to(E4M3))
+    assert_fp8_cast(q, x.reshape(q.shape).float(), inv)
     torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)
 
 
@@ -210,7 +223,7 @@ def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
     a_ref, _, inv_ref = K.gelu_fp8_reference(h, approximate)
     torch.testing.assert_close(a, a_ref, rtol=2**-7, atol=1e-6)
     a_MN = a.reshape(q.shape).float()
-    assert torch.equal(q, (a_MN / inv).clamp(-448, 448).to(E4M3))
+    assert_fp8_cast(q, a_MN, inv)
     torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
 
 
@@ -233,6 +246,6 @@ def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
         g, q, inv, colsum = K.cat_rowwise_fp8(xs)
         g_ref, _, inv_ref, colsum_ref = K.cat_rowwise_fp8_reference(xs)
         assert torch.equal(g, g_ref)
-        assert torch.equal(q, (g.reshape(q.shape).float() / inv).clamp(-448, 448).to(E4M3))
+        assert_fp8_cast(q, g.reshape(q.shape).float(), inv)
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)

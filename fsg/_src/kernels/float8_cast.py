@@ -14,7 +14,7 @@ the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). O
 - ``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)``, read by the
   grad-input matmul (FP8, a scale per row), the grad-weight matmul (``g`` in bfloat16) and the
   bias gradient (``g``'s column sums): writes ``g``, its FP8 copy and inverse scales, and
-  float32 column-sum partials (at most ``MAX_PROGRAMS`` rows, summed by one torch reduction).
+  float32 column-sum partials (``PROGRAMS`` rows at most, summed by one torch reduction).
 - ``gelu_fp8``: the MLP's activation ``a = gelu(h)``, read by the down-projection (FP8) and
   its grad-weight (bfloat16): writes ``a``, its FP8 copy and scales.
 - ``cat_rowwise_fp8``: a fused qkv projection's gradient, ``cat([dq, dk, dv], -1)``, whose
@@ -152,19 +152,24 @@ def _rowwise_fp8_kernel(
             tl.store(colsum_part_ptr + pid * N + 2 * C + cols, colsum2, mask=cols < C)
 
 
-def tiling(M: int, C: int, pieces: int = 1, colsum: bool = True) -> RowTiling:
-    """Rows of one tile as ``RowTiling`` picks them for ``C``-wide pieces (``TILE`` elements
-    across the pieces); with column sums, enough iterations that at most ``MAX_PROGRAMS``
-    programs (column-sum partial rows) remain."""
+def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTiling:
+    """One row a tile (``C``-wide pieces), ``PROGRAMS`` programs walking the rows, and the
+    warps ``WARPS`` measured best for the producer and the width.
+
+    The H200 sweep (``benchmarks/fp8_cast.py --sweep``, GPT-2 355M's tensors, RESULTS.md):
+    tiles of 2 or 4 rows ran 1.5-10x slower than one row at every width; about 2048 programs
+    beat 512 by up to 1.3x (the residual gradient 0.037 against 0.048 ms) and matched one
+    program a row; the best warps differ by producer (a GELU 16, its gradient 8)."""
     block = triton.next_power_of_2(C)
-    rows = 1 << max(0, min(16, TILE // (block * pieces)).bit_length() - 1)  # a power of two, 1 to 16
-    iters = max(1, math.ceil(M / (rows * MAX_PROGRAMS))) if colsum else 1
-    return RowTiling(M, C, rows=rows, iters=iters, num_warps=WARPS.get(block * pieces * rows))
+    kind = producer.split(":")[0] if pieces == 1 else "cat"
+    warps = WARPS.get((kind, block), min(16, max(4, block // 512)))
+    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)), num_warps=warps)
 
 
-TILE = 4096  # elements a program holds at once, across the pieces
-MAX_PROGRAMS = 512  # column-sum partial rows: about 4 per SM on an H200, few enough to sum cheaply
-WARPS: dict[int, int] = {}  # tile elements -> num_warps where RowTiling's default is not the best
+PROGRAMS = 2048  # programs over the rows (and column-sum partial rows): ~16 per SM on an H200
+# (producer, block) -> num_warps, the best of the H200 sweep where it differs from the default
+# rule (block / 512, 4 to 16): GPT-2 355M's widths (4096 for the MLP, 1024 for the rest)
+WARPS: dict[tuple[str, int], int] = {("gelu", 4096): 16, ("identity", 1024): 8}
 
 
 def launch(
@@ -182,7 +187,7 @@ def launch(
     assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
     assert h_MC is None or h_MC.stride() == xs[0].stride()
     colsum = colsum_part_PN is not None
-    t = t or tiling(M, C, len(xs), colsum)
+    t = t or tiling(M, C, producer, len(xs))
     strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
     x0 = xs[0]
     _rowwise_fp8_kernel[(t.programs,)](
@@ -248,7 +253,7 @@ def gelu_backward_fp8(
         return gelu_backward_fp8_reference(dy, h, approximate)
     N = dy.shape[-1]
     dy_MN, h_MN = dy.reshape(-1, N).contiguous(), h.reshape(-1, N).contiguous()
-    t = tiling(dy_MN.shape[0], N)
+    t = tiling(dy_MN.shape[0], N, "gelu_backward")
     q_MN, inv_M1, part = _outputs(dy_MN.shape[0], N, dy.device, t, colsum=True)
     g_MN = torch.empty_like(dy_MN)
     launch([dy_MN], h_MN, g_MN, q_MN, inv_M1, part, f"gelu_backward:{approximate}", t)
@@ -263,7 +268,7 @@ def gelu_fp8(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Ten
         return gelu_fp8_reference(h, approximate)
     h_MN = _rows_of(h)
     M, N = h_MN.shape
-    t = tiling(M, N, colsum=False)
+    t = tiling(M, N, "gelu")
     q_MN, inv_M1, _ = _outputs(M, N, h.device, t, colsum=False)
     a_MN = torch.empty((M, N), dtype=h.dtype, device=h.device)
     launch([h_MN], None, a_MN, q_MN, inv_M1, None, f"gelu:{approximate}", t)
@@ -293,7 +298,7 @@ def cat_rowwise_fp8(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
         return cat_rowwise_fp8_reference(xs)
     pieces = [_rows_of(x) for x in xs]
     (M, C), N = pieces[0].shape, xs[0].shape[-1] * len(xs)
-    t = tiling(M, C, len(xs))
+    t = tiling(M, C, pieces=len(xs))
     q_MN, inv_M1, part = _outputs(M, N, xs[0].device, t, colsum=True)
     g_MN = torch.empty((M, N), dtype=xs[0].dtype, device=xs[0].device)
     launch(pieces, None, g_MN, q_MN, inv_M1, part, "identity", t)
