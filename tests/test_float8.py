@@ -10,8 +10,10 @@ import logging
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -418,6 +420,31 @@ def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
     _states_close(runs[True][1], runs[False][1], 1e-2)
 
 
+def _fused_and_unfused(block: Callable[[], nn.Module], width: int, lead: tuple) -> list[tuple[float, Any, str]]:
+    """One rowwise SGD step of ``Linear(width, width)`` then ``block()`` (same init) with the
+    float8 pass's fused producers on, then off: ``(loss, state, lowered graph text)`` each."""
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(width, width), block())  # the block's input needs a gradient
+
+        def loss_fn(params, batch):
+            return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
+
+        previous, float8_quantize.FUSE_PRODUCERS = float8_quantize.FUSE_PRODUCERS, fuse
+        try:
+            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
+            state = step.init(fsg.params(model))
+            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
+            text = step.lower(state, {"x": x}).as_text()
+            state, m = step(state, {"x": x})
+        finally:
+            float8_quantize.FUSE_PRODUCERS = previous
+        runs.append((float(m["loss"]), state, text))
+    return runs
+
+
 class _GeluMLP(nn.Module):
     def __init__(self, width, hidden, approximate, bias, residual):
         super().__init__()
@@ -442,29 +469,14 @@ def test_fused_gelu_backward_step_equals_the_unfused_step(residual, approximate,
     by another op, whose gradient then is a sum, not a GELU's: nothing to fuse): the fused op
     changes no loss or parameter beyond rounding."""
     width, hidden = dims
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
-    runs = []
-    for fuse in (True, False):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(width, width), _GeluMLP(width, hidden, approximate, bias, residual))
-
-        def loss_fn(params, batch):
-            return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
-
-        previous, float8_quantize.FUSE_PRODUCERS = float8_quantize.FUSE_PRODUCERS, fuse
-        try:
-            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
-            state = step.init(fsg.params(model))
-            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
-            text = step.lower(state, {"x": x}).as_text()
-            state, m = step(state, {"x": x})
-        finally:
-            float8_quantize.FUSE_PRODUCERS = previous
-        assert text.count("fsg.gelu_backward_fp8.default(") == (1 if fuse and residual else 0)
-        assert text.count("fsg.gelu_fp8.default(") == (1 if fuse else 0)
-        runs.append((float(m["loss"]), state, text.count("aten.sum.dim_IntList(")))
-    (fused_loss, fused, fused_sums), (plain_loss, plain, plain_sums) = runs
-    assert fused_sums == plain_sums - (1 if bias and residual else 0)  # the up-projection's bias gradient
+    (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
+        lambda: _GeluMLP(width, hidden, approximate, bias, residual), width, lead
+    )
+    assert fused_text.count("fsg.gelu_backward_fp8.default(") == (1 if residual else 0)
+    assert fused_text.count("fsg.gelu_fp8.default(") == 1
+    assert "fsg.gelu_fp8" not in plain_text and "fsg.gelu_backward_fp8" not in plain_text
+    sums = [text.count("aten.sum.dim_IntList(") for text in (fused_text, plain_text)]
+    assert sums[0] == sums[1] - (1 if bias and residual else 0)  # the up-projection's bias gradient
     assert fused_loss == plain_loss
     _states_close(fused, plain, 1e-2)
 
@@ -498,28 +510,12 @@ def test_fused_concatenation_step_equals_the_unfused_step(pieces, heads, bias, l
     under rowwise the pass casts it with its column sums in ``fsg::cat_rowwise_fp8``, and the
     step equals the unfused one (loss bit for bit, parameters to rounding)."""
     width = 32
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
-    runs = []
-    for fuse in (True, False):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(width, width), _SplitProjection(width, pieces, heads, bias))  # x needs a grad
-
-        def loss_fn(params, batch):
-            return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
-
-        previous, float8_quantize.FUSE_PRODUCERS = float8_quantize.FUSE_PRODUCERS, fuse
-        try:
-            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
-            state = step.init(fsg.params(model))
-            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
-            text = step.lower(state, {"x": x}).as_text()
-            state, m = step(state, {"x": x})
-        finally:
-            float8_quantize.FUSE_PRODUCERS = previous
-        assert text.count("fsg.cat_rowwise_fp8.default(") == (1 if fuse else 0), text
-        runs.append((float(m["loss"]), state, text.count("aten.sum.dim_IntList(")))
-    (fused_loss, fused, fused_sums), (plain_loss, plain, plain_sums) = runs
-    assert fused_sums == plain_sums - (1 if bias else 0)  # the projection's bias gradient reads the fused sums
+    (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
+        lambda: _SplitProjection(width, pieces, heads, bias), width, lead
+    )
+    assert fused_text.count("fsg.cat_rowwise_fp8.default(") == 1 and "fsg.cat_rowwise_fp8" not in plain_text
+    sums = [text.count("aten.sum.dim_IntList(") for text in (fused_text, plain_text)]
+    assert sums[0] == sums[1] - (1 if bias else 0)  # the projection's bias gradient reads the fused sums
     assert fused_loss == plain_loss
     _states_close(fused, plain, 1e-2)
 
