@@ -36,9 +36,8 @@ FUSED_OPS = {
 }
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 # The fused kernels of kernels/float8_cast.py (benchmarks/gpt.py turns each off for its A/B):
-FUSE_PRODUCERS = (
-    True  # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
-)
+# a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel:
+FUSE_PRODUCERS = True
 FUSED_PRODUCERS = frozenset(FUSED_OPS)
 FUSE_COLUMN_SUMS = False  # any other rowwise operand with a bias gradient: its cast and column sums (slower at 355M)
 _DENSE = {"memory_format": torch.contiguous_format}
