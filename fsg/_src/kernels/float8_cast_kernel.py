@@ -1,0 +1,178 @@
+"""The Triton kernel behind ``kernels/float8_cast.py``'s ops: rows produced from what it reads
+(as read, a GELU, a GELU gradient, or the pieces of a concatenation), cast row by row to
+``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype and
+summed along the columns, in one read of the inputs; its tiling, measured on the H200.
+
+Shape legend: M rows (tokens), N the row width (the contracted dim of the matmul that reads the
+FP8 copy), C the width of one piece of a concatenation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fsg._src.kernels._common import RowTiling, tl, triton
+
+E4M3 = torch.float8_e4m3fn
+EPS = 1e-12  # the smallest amax a scale is computed from (the float8 pass's casts use it too)
+APPROXIMATIONS = ("none", "tanh")
+
+
+@triton.jit
+def _gelu_grad(h, TANH: tl.constexpr):
+    """``gelu'(h)`` in float32, as aten's ``gelu_backward`` computes it."""
+    if TANH:
+        beta = 0.7978845608028654  # sqrt(2 / pi)
+        kappa = 0.044715
+        inner = beta * (h + kappa * h * h * h)
+        t = _tanh(inner)
+        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * h * h)
+    cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    return cdf + h * pdf
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))  # in (0, 1]: tanh to a few ulps at every x, no overflow
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _gelu(h, TANH: tl.constexpr):
+    """``gelu(h)`` in float32, as aten's ``gelu`` computes it."""
+    if TANH:
+        return 0.5 * h * (1.0 + _tanh(0.7978845608028654 * (h + 0.044715 * h * h * h)))
+    return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+
+
+# What computes the rows the kernel casts from what it reads (x, and h for a GELU gradient):
+# the rows as read (also the pieces of a concatenation), gelu'(h) * x for each of
+# gelu_backward's `approximate` forms, or gelu(x) for each of gelu's.
+PRODUCERS = {"identity": 0, "gelu_backward:none": 1, "gelu_backward:tanh": 2, "gelu:none": 3, "gelu:tanh": 4}
+
+
+@triton.jit
+def _produce(
+    x_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, stride, N, col0, PRODUCER: tl.constexpr, WRITE_G: tl.constexpr
+):
+    """One piece's ``[ROWS, BLOCK]`` tile of the rows ``g`` in float32 (0 where masked):
+    produced from ``x`` (row stride ``stride``, ``C`` wide), stored to ``g`` at columns
+    ``col0 + cols`` of its ``N``-wide rows when ``WRITE_G``, as the rounded values there."""
+    mask = row_ok[:, None] & (cols < C)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    if PRODUCER == 0:
+        g = x
+    elif PRODUCER <= 2:
+        h = tl.load(h_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(g_ptr.dtype.element_ty)
+    else:
+        g = _gelu(x.to(tl.float32), PRODUCER == 4).to(g_ptr.dtype.element_ty)
+    if WRITE_G:
+        tl.store(g_ptr + rows[:, None] * N + col0 + cols[None, :], g, mask=mask)
+    return tl.where(mask, g.to(tl.float32), 0.0)  # what the readers of g see: its rounded values
+
+
+@triton.jit
+def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
+    q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+    mask = row_ok[:, None] & (cols < C)[None, :]
+    tl.store(q_ptr + rows[:, None] * N + col0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rowwise_fp8_kernel(
+    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, M, C, s0, s1, s2, fp8_max, eps,
+    PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
+    ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
+    stride ``s_i``), produced and cast row by row to FP8 with their inverse scales; ``g``
+    itself stored when ``WRITE_G``; one float32 row of column sums per program when
+    ``COLSUM``."""
+    pid = tl.program_id(0)
+    N = C * PIECES
+    cols = tl.arange(0, BLOCK)
+    colsum0 = tl.zeros([BLOCK], tl.float32)
+    colsum1 = tl.zeros([BLOCK], tl.float32)
+    colsum2 = tl.zeros([BLOCK], tl.float32)
+    for it in range(ITERS):
+        rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
+        row_ok = rows < M
+        g0 = _produce(x0_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s0, N, 0, PRODUCER, WRITE_G)
+        amax = tl.max(tl.abs(g0), axis=1)
+        if PIECES > 1:
+            g1 = _produce(x1_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s1, N, C, PRODUCER, WRITE_G)
+            amax = tl.maximum(amax, tl.max(tl.abs(g1), axis=1))
+        if PIECES > 2:
+            g2 = _produce(x2_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
+            amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=1))
+        scale = (1.0 / tl.maximum(amax, eps)) * fp8_max
+        tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
+        _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)
+        if COLSUM:
+            colsum0 += tl.sum(g0, axis=0)
+        if PIECES > 1:
+            _store_fp8(q_ptr, g1, scale, rows, row_ok, cols, C, N, C, fp8_max)
+            if COLSUM:
+                colsum1 += tl.sum(g1, axis=0)
+        if PIECES > 2:
+            _store_fp8(q_ptr, g2, scale, rows, row_ok, cols, C, N, 2 * C, fp8_max)
+            if COLSUM:
+                colsum2 += tl.sum(g2, axis=0)
+    if COLSUM:
+        tl.store(colsum_part_ptr + pid * N + cols, colsum0, mask=cols < C)
+        if PIECES > 1:
+            tl.store(colsum_part_ptr + pid * N + C + cols, colsum1, mask=cols < C)
+        if PIECES > 2:
+            tl.store(colsum_part_ptr + pid * N + 2 * C + cols, colsum2, mask=cols < C)
+
+
+def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTiling:
+    """One row a tile (``C``-wide pieces), ``PROGRAMS`` programs walking the rows, and the
+    warps ``WARPS`` measured best for the producer and the width.
+
+    The H200 sweep (``benchmarks/fp8_cast.py --sweep``, GPT-2 355M's tensors, RESULTS.md):
+    tiles of 2 or 4 rows ran 1.5-10x slower than one row at every width; about 2048 programs
+    beat 512 by up to 1.3x (the residual gradient 0.037 against 0.048 ms) and matched one
+    program a row; the best warps differ by producer (a GELU 16, its gradient 8)."""
+    block = triton.next_power_of_2(C)
+    kind = producer.split(":")[0] if pieces == 1 else "cat"
+    warps = WARPS.get((kind, block), min(16, max(4, block // 512)))
+    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)), num_warps=warps)
+
+
+PROGRAMS = 2048  # programs over the rows (and column-sum partial rows): ~16 per SM on an H200
+# (producer, block) -> num_warps, the best of the H200 sweep where it differs from the default
+# rule (block / 512, 4 to 16): GPT-2 355M's widths (4096 for the MLP, 1024 for the rest)
+WARPS: dict[tuple[str, int], int] = {("gelu", 4096): 16, ("identity", 1024): 8}
+
+
+def launch(
+    xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum_part_PN, producer: str,
+    t: RowTiling | None = None,
+) -> None:  # fmt: skip
+    """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
+    stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the GELU input of a
+    ``"gelu_backward:*"`` producer (``x``'s strides), else ``None``; ``g_MN`` ``None`` where
+    the rows are not written (``"identity"`` with one piece); ``colsum_part_PN`` ``None``
+    for no column sums, else ``t.programs`` rows whose sum is the column sums. ``q_MN`` is
+    scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
+    docstring)."""
+    M, C = xs[0].shape
+    assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
+    assert h_MC is None or h_MC.stride() == xs[0].stride()
+    colsum = colsum_part_PN is not None
+    t = t or tiling(M, C, producer, len(xs))
+    strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
+    x0 = xs[0]
+    _rowwise_fp8_kernel[(t.programs,)](
+        x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
+        q_MN, inv_M, q_MN if colsum_part_PN is None else colsum_part_PN, M, C, *strides,
+        float(torch.finfo(E4M3).max), EPS,
+        PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None, COLSUM=colsum,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+    )  # fmt: skip
