@@ -21,6 +21,7 @@ import itertools
 import platform
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from fsg._src.kernels import float8_cast as K
@@ -116,7 +117,7 @@ def main() -> None:
         colsum = not kind.startswith("gelu:")
         best = None
         for rows, programs, warps in itertools.product((1, 2, 4), (512, 2048, 0), (4, 8, 16)):
-            if rows * pieces * triton_block(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
+            if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
                 continue
             iters = 1 if programs == 0 else max(1, -(-M // (rows * programs)))
             t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps)
@@ -146,10 +147,6 @@ def main() -> None:
             f"\n{name}: FP8 bytes that differ from its own rows / its inverse scales: {differ} of {q.numel()}; "
             f"scales vs the reference's: max rel. difference {err:.1e}"
         )
-
-
-def triton_block(C: int) -> int:
-    return 1 << (C - 1).bit_length()
 
 
 if __name__ == "__main__":
