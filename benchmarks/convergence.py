@@ -20,6 +20,7 @@ non-determinism, e.g. atomic adds in reductions):
   fsg            fsg.compile_step, Policy(compute=bf16): every parameter cast to bf16 where read
   fsg-fp8        fsg with Policy(compute=bf16, matmul=fsg.Float8()): tensorwise FP8 linear layers
   fsg-fp8-row    fsg with Float8(recipe="rowwise"): rowwise FP8, the grad-weights in bf16
+  fsg-fp8-row-gw fsg with Float8(recipe="rowwise", grad_weight="fp8"): the grad-weights in FP8 too
 
 Reported: the mean loss of the last 25 steps of each run; the mean absolute difference between
 two curves' 25-step moving averages (steps 25 to the end) for each pair of runs: a baseline
@@ -114,7 +115,11 @@ def run(impl: str, args) -> dict:
             return step
 
     else:
-        matmul = {"fsg-fp8": fsg.Float8(), "fsg-fp8-row": fsg.Float8(recipe="rowwise")}.get(impl)
+        matmul = {
+            "fsg-fp8": fsg.Float8(),
+            "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+        }.get(impl)
         policy = fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast", matmul=matmul)
         train = fsg.compile_step(
             lambda params, b: fsg.apply(model, params, b["x"], b["y"]),

@@ -46,6 +46,9 @@ Implementations (--impl):
             activation's and the qkv gradient's left to Inductor)
   fsg-fp8-row-colsum   fsg-fp8-row with FUSE_COLUMN_SUMS on: every other operand a bias
             gradient sums is cast with its column sums in one kernel (off by default: slower)
+  fsg-fp8-row-gw   fsg-fp8-row with Float8(grad_weight="fp8"): the grad-weights in FP8 too,
+            dY and X scaled per column (along the tokens) through transposed casts
+  fsg-fp8-row-gw-colsum   fsg-fp8-row-gw with FUSE_COLUMN_SUMS on
 """
 
 from __future__ import annotations
@@ -114,13 +117,14 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     elif impl.startswith("compile"):
-        if impl == "compile-fp8":
+        if impl in ("compile-fp8", "compile-fp8-row"):
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
             def fp8_filter(module, fqn):
                 return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
-            convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=fp8_filter)
+            config = Float8LinearConfig.from_recipe_name("rowwise") if impl.endswith("-row") else Float8LinearConfig()
+            convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
 
         def loss_of(x, y):
             with torch.autocast(dev, dtype=torch.bfloat16):
@@ -153,7 +157,7 @@ def run_torch(impl: str, args) -> dict:
         float8_quantize.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
         if impl == "fsg-fp8-row-gelubwd":
             float8_quantize.FUSED_PRODUCERS = frozenset({float8_quantize.GELU_BACKWARD})
-        float8_quantize.FUSE_COLUMN_SUMS = impl == "fsg-fp8-row-colsum"
+        float8_quantize.FUSE_COLUMN_SUMS = impl.endswith("-colsum")
 
         def loss_fn(params, batch):
             if logits_loss:
@@ -172,6 +176,8 @@ def run_torch(impl: str, args) -> dict:
                     "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
+                    "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+                    "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                 }.get(impl),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,

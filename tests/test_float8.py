@@ -271,14 +271,15 @@ def emulated_rowwise_mm(a, b, out_dtype=torch.bfloat16):
     return ((qa.float() @ qbt.float().t()) / (sa * sb.t())).to(out_dtype)
 
 
-def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16(caplog):
+@pytest.mark.parametrize("grad_weight", [None, "compute", "fp8"])
+def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16_unless_asked(grad_weight, caplog):
     x, w, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(32, 48, seed=2)
     gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    fp8_gw = grad_weight == "fp8"
     with caplog.at_level(logging.INFO, logger="fsg"):
-        assert rewrite(gm, {1: "w"}, ROWWISE) == "2 of 3 matmuls in FP8"
-    [kept] = nodes(gm, aten.mm.default)
-    assert tuple(kept.meta["val"].shape) == (48, 64)  # the grad-weight dY^T @ X
-    assert any("keeps the grad-weight" in r.getMessage() for r in caplog.records)
+        want = "3 of 3 matmuls in FP8" if fp8_gw else "2 of 3 matmuls in FP8"
+        assert rewrite(gm, {1: "w"}, ROWWISE._replace(grad_weight=grad_weight)) == want
+    assert fp8_gw != any("keeps the grad-weight" in r.getMessage() for r in caplog.records)
     by_shape = {tuple(n.meta["val"].shape): n for n in nodes(gm, aten._scaled_mm.default)}
     fwd, grad_input = by_shape[(32, 48)], by_shape[(32, 64)]
     assert operand_dtypes(fwd) == (E4M3, E4M3) and operand_dtypes(grad_input) == (E4M3, E4M3)
@@ -286,11 +287,20 @@ def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16(caplog):
         tuple(a.meta["val"].shape) for a in (fwd.args[2], fwd.args[3], grad_input.args[2], grad_input.args[3])
     ]
     assert scale_shapes == [(32, 1), (1, 48), (32, 1), (1, 64)]  # a scale per row of A, per column of B
-    assert not nodes(gm, aten.max.default) and len(nodes(gm, aten.amax.default)) == 4  # x, w rows, dY, w columns
+    assert not nodes(gm, aten.max.default)
+    assert len(nodes(gm, aten.amax.default)) == (6 if fp8_gw else 4)  # x, w rows, dY, w columns (dY, x columns)
+    if fp8_gw:  # dY^T's rows and x's columns: scales along the 32 tokens
+        grad_weight_mm = by_shape[(48, 64)]
+        assert operand_dtypes(grad_weight_mm) == (E4M3, E4M3)
+        assert [tuple(a.meta["val"].shape) for a in grad_weight_mm.args[2:4]] == [(48, 1), (1, 64)]
+    else:
+        [kept] = nodes(gm, aten.mm.default)
+        assert tuple(kept.meta["val"].shape) == (48, 64)  # the grad-weight dY^T @ X
     loss, y, gx, gw = gm(x, w, c)
     torch.testing.assert_close(y, emulated_rowwise_mm(x, w.t()), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(gx, emulated_rowwise_mm(c, w), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(gw, (c.t().float() @ x.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    want_gw = emulated_rowwise_mm(c.t(), x) if fp8_gw else (c.t().float() @ x.float()).to(torch.bfloat16)
+    torch.testing.assert_close(gw, want_gw, rtol=1e-2, atol=1e-2)
 
 
 def rowwise_rounding_bound(a, b):
@@ -354,13 +364,16 @@ def test_rowwise_scales_follow_each_operands_role_in_every_form_of_a_linear_laye
     assert float((gx.float() - exact_gx).abs().max()) < 0.1 * float(exact_gx.abs().max())
 
 
-def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns():
+@pytest.mark.parametrize("grad_weight", [None, "fp8"])
+def test_rowwise_gpt_step_tracks_the_bf16_step_and_learns(grad_weight):
     batches = _gpt_batches(20)
     bf16_losses = _train(*_gpt_step(BF16), batches)
-    step, state = _gpt_step(fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise")))
+    config = fsg.Float8(recipe="rowwise", grad_weight=grad_weight)
+    step, state = _gpt_step(fsg.Policy(compute=torch.bfloat16, matmul=config))
     losses = _train(step, state, batches)
     counts = step.lower(state, batches[0]).op_counts()
-    assert counts["aten._scaled_mm"] == 16 and counts["aten.mm"] + counts.get("aten.addmm", 0) == 8  # grad-weights
+    in_fp8 = 24 if grad_weight == "fp8" else 16  # 8 linear layers, 3 matmuls each (the head is fused with the loss)
+    assert counts["aten._scaled_mm"] == in_fp8 and counts.get("aten.mm", 0) + counts.get("aten.addmm", 0) == 24 - in_fp8
     assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) < 0.03, (losses, bf16_losses)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
 
@@ -708,6 +721,7 @@ def test_mlp_fp8_step_under_inductor_matches_eager():
         ),
         (lambda: fsg.Float8(filter="fc"), r"Float8\(filter=...\) must be callable"),
         (lambda: fsg.Float8(keep_output_head=None), r"Float8\(keep_output_head=...\) must be True or False"),
+        (lambda: fsg.Float8(grad_weight=True), r"Float8\(grad_weight=...\) must be one of \(None, 'fp8', 'compute'\)"),
         (
             lambda: fsg.Policy(compute=torch.bfloat16, matmul="fp8"),
             r"Policy\(matmul=...\) must be None or an fsg.Float8",
@@ -741,4 +755,7 @@ def test_float8_on_a_mesh_is_refused_where_a_rank_would_see_part_of_a_row(param,
 def test_the_config_is_part_of_the_policy():
     policy = fsg.Policy(compute=torch.float16, matmul=fsg.Float8(keep_output_head=False))
     assert policy.matmul == fsg.Float8("tensorwise", None, False) and fsg.Policy().matmul is None
+    assert policy.matmul.fp8_grad_weight and not fsg.Float8(recipe="rowwise").fp8_grad_weight
+    assert fsg.Float8(recipe="rowwise", grad_weight="fp8").fp8_grad_weight
+    assert not fsg.Float8(grad_weight="compute").fp8_grad_weight
     assert fsg.Policy(torch.float32, torch.bfloat16, None).matmul is None  # positional fields unchanged

@@ -44,6 +44,7 @@ class _Float8Fields(NamedTuple):
     recipe: str
     filter: Callable[[str], bool] | None
     keep_output_head: bool
+    grad_weight: str | None
 
 
 class Float8(_Float8Fields):
@@ -57,14 +58,19 @@ class Float8(_Float8Fields):
         ``float8_e5m2``; all three matmuls of a layer in FP8. ``"rowwise"``: one scale per row
         of each operand along the contracted dim (each token's activation and gradient row,
         each output or input channel of the weight), everything in ``float8_e4m3fn``; the
-        forward and grad-input matmuls in FP8, the grad-weight in the compute dtype (its
-        scales would run along the tokens); needs ``compute=torch.bfloat16``.
+        forward and grad-input matmuls in FP8, the grad-weight in the compute dtype unless
+        ``grad_weight="fp8"``; needs ``compute=torch.bfloat16``.
       filter: ``None`` (every eligible linear layer) or a callable ``filter(name) -> bool``
         deciding per layer, given its weight's name as ``fsg.params`` spells it
         (``"blocks.0.fc.weight"``); ``False`` keeps that layer in the compute dtype.
       keep_output_head: keep the output head in the compute dtype: the matmul the loss is
         computed from through pointwise ops, views, reductions, softmax and losses only, found
         by data flow (docs/precision.md#which-matmuls).
+      grad_weight: the grad-weight ``dW = dY^T @ X``: ``"fp8"`` or ``"compute"`` (the compute
+        dtype); ``None``, the recipe's default: FP8 under tensorwise, the compute dtype under
+        rowwise, whose grad-weight scales run along the tokens (a scale per column of ``dY``
+        and of ``X``: each needs a transposed cast after a reduction over all rows, which pays
+        at large widths only; docs/precision.md#fp8).
 
     Example:
       >>> cfg = fsg.Float8(filter=lambda name: not name.startswith("blocks.0."))
@@ -75,11 +81,17 @@ class Float8(_Float8Fields):
     __slots__ = ()
 
     def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | None = None,
-                keep_output_head: bool = True) -> Float8:  # fmt: skip
-        return check_float8(super().__new__(cls, recipe, filter, keep_output_head))
+                keep_output_head: bool = True, grad_weight: str | None = None) -> Float8:  # fmt: skip
+        return check_float8(super().__new__(cls, recipe, filter, keep_output_head, grad_weight))
+
+    @property
+    def fp8_grad_weight(self) -> bool:
+        """Whether the grad-weights run in FP8 (``grad_weight``, or the recipe's default)."""
+        return self.recipe == "tensorwise" if self.grad_weight is None else self.grad_weight == "fp8"
 
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_GRAD_WEIGHTS = (None, "fp8", "compute")
 
 
 def check_float8(cfg: Any) -> Float8:
@@ -91,6 +103,9 @@ def check_float8(cfg: Any) -> Float8:
     if cfg.filter is not None:
         checks.function("fsg.Float8(filter=...)", cfg.filter, fix="Pass None or a function of the weight's name")
     checks.flag("fsg.Float8(keep_output_head=...)", cfg.keep_output_head)
+    if cfg.grad_weight not in FLOAT8_GRAD_WEIGHTS:
+        raise checks.fail("fsg.Float8(grad_weight=...)", f"must be one of {FLOAT8_GRAD_WEIGHTS}", cfg.grad_weight,
+                          "E.g. grad_weight='fp8'")  # fmt: skip
     return cfg
 
 

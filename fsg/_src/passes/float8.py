@@ -10,7 +10,8 @@ the graph (``passes/float8_quantize.py``): tensorwise, ``scale = fp8_max / max(m
 per tensor (on a mesh, each activation's and gradient's amax all-reduced over the batch's
 axes), ``X`` and ``W`` in ``float8_e4m3fn``, ``dY`` in ``float8_e5m2``, all three matmuls;
 or rowwise, a scale per row along the contracted dim, e4m3 throughout, the forward and the
-grad-input only (the grad-weight stays in the compute dtype). A matmul that cannot
+grad-input (the grad-weight too with ``Float8(grad_weight="fp8")``: ``dY`` and ``X`` scaled
+per column, along the tokens, each through a transposed copy). A matmul that cannot
 or should not run in FP8 stays as it was; the ``fsg`` logger says why, at INFO one line per
 reason (naming the first matmuls and how many), at DEBUG one line per matmul
 (docs/precision.md#fp8).
@@ -249,9 +250,10 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             why = why or next(
                 (f"its layer ({c.name or c.forward.name}) stays: {c.why_not}" for c in candidates if c.why_not), None
             )
-            if why is None and rowwise and grad_weight:
-                why = ("recipe='rowwise' keeps the grad-weight in the compute dtype (its scales would run "
-                       "along the tokens: a second pass over dY and X)")  # fmt: skip
+            if why is None and grad_weight and not at.config.fp8_grad_weight:
+                why = (f"Float8(recipe={at.config.recipe!r}, grad_weight={at.config.grad_weight!r}) keeps the "
+                       "grad-weight in the compute dtype (rowwise, its scales would run along the tokens: "
+                       "grad_weight='fp8' turns it on)")  # fmt: skip
             fast = False
         else:
             why = why or "it is not part of a linear layer (no forward matmul reads its operand)"
