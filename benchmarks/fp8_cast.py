@@ -30,7 +30,8 @@ from fsg._src.kernels._common import RowTiling
 M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps; the 355M sweep
 # (RESULTS.md, ninth session) found one row a tile best everywhere, by 1.5-10x
-ROWS, PROGRAMS, WARPS = (1, 2, 4), (512, 2048, 0), (4, 8, 16)
+SWEEP = ((1, 2, 4), (512, 2048, 0), (4, 8, 16))
+WIDE = ((1,), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32))  # --wide: for the 1.3B widths
 
 
 def _ms(fn) -> float:
@@ -99,9 +100,6 @@ def main() -> None:
     parser.add_argument("--models", default="355M,1.3B", help="which models' widths: 355M (1024), 1.3B (2048)")
     parser.add_argument("--wide", action="store_true", help="the sweep over one row a tile, 512-4096 programs, 4-32 warps")
     args = parser.parse_args()
-    if args.wide:
-        global ROWS, PROGRAMS, WARPS
-        ROWS, PROGRAMS, WARPS = (1,), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32)
     copy_gbs = _copy_gbs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}")
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)\n")
@@ -123,7 +121,7 @@ def main() -> None:
         pieces = 3 if kind == "cat" else 1
         colsum = not kind.startswith("gelu:")
         best = None
-        for rows, programs, warps in itertools.product(ROWS, PROGRAMS, WARPS):
+        for rows, programs, warps in itertools.product(*(WIDE if args.wide else SWEEP)):
             if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
                 continue
             iters = 1 if programs == 0 else max(1, -(-M // (rows * programs)))

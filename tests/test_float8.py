@@ -166,6 +166,14 @@ def kept_lines(caplog):
     return debug, counts
 
 
+def test_tensorwise_keeps_the_grad_weight_in_the_compute_dtype_when_asked():
+    x, w, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(32, 48, seed=2)
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    assert rewrite(gm, {1: "w"}, fsg.Float8(keep_output_head=False, grad_weight="compute")) == "2 of 3 matmuls in FP8"
+    [kept] = nodes(gm, aten.mm.default)
+    assert tuple(kept.meta["val"].shape) == (48, 64)  # the grad-weight dY^T @ X
+
+
 @pytest.mark.parametrize(
     "shapes, dtype, params, reason",
     [

@@ -252,8 +252,7 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             )
             if why is None and grad_weight and not at.config.fp8_grad_weight:
                 why = (f"Float8(recipe={at.config.recipe!r}, grad_weight={at.config.grad_weight!r}) keeps the "
-                       "grad-weight in the compute dtype (rowwise, its scales would run along the tokens: "
-                       "grad_weight='fp8' turns it on)")  # fmt: skip
+                       "grad-weight in the compute dtype (grad_weight='fp8' runs it in FP8)")  # fmt: skip
             fast = False
         else:
             why = why or "it is not part of a linear layer (no forward matmul reads its operand)"
