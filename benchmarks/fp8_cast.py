@@ -31,7 +31,7 @@ M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps; the 355M sweep
 # (RESULTS.md, ninth session) found one row a tile best everywhere, by 1.5-10x
 SWEEP = ((1, 2, 4), (512, 2048, 0), (4, 8, 16))
-WIDE = ((1,), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32))  # --wide: for the 1.3B widths
+WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32))  # --wide: for the 1.3B widths
 
 
 def _ms(fn) -> float:
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every tiling of the sweep")
     parser.add_argument("--models", default="355M,1.3B", help="which models' widths: 355M (1024), 1.3B (2048)")
-    parser.add_argument("--wide", action="store_true", help="the sweep over one row a tile, 512-4096 programs, 4-32 warps")
+    parser.add_argument("--wide", action="store_true", help="the sweep over 1-2 rows a tile, 512-4096 programs, 4-32 warps")
     args = parser.parse_args()
     copy_gbs = _copy_gbs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}")
