@@ -21,12 +21,23 @@ non-determinism, e.g. atomic adds in reductions):
   fsg-fp8        fsg with Policy(compute=bf16, matmul=fsg.Float8()): tensorwise FP8 linear layers
   fsg-fp8-row    fsg with Float8(recipe="rowwise"): rowwise FP8, the grad-weights in bf16
   fsg-fp8-row-gw fsg with Float8(recipe="rowwise", grad_weight="fp8"): the grad-weights in FP8 too
+  compile-fp8, compile-fp8-row, compile-fp8-row-gwhp
+                 compile after torchao's convert_to_float8_training (needs torchao), recipe
+                 "tensorwise", "rowwise" (every matmul FP8, as fsg-fp8-row-gw) or
+                 "rowwise_with_gw_hp" (grad-weights in bf16, as fsg-fp8-row); the head in bf16
 
 Reported: the mean loss of the last 25 steps of each run; the mean absolute difference between
 two curves' 25-step moving averages (steps 25 to the end) for each pair of runs: a baseline
 pair gives the baseline's own run-to-run spread, and fsg counts as converging alike when its
 distance to the baseline is within that spread; the median step time over the steps after the
 10th (each step's loss is kept on the device and read at the end), and the peak memory.
+Held-out: each run's final weights loaded into a fresh float32 model and evaluated under
+autocast bf16 (no FP8 anywhere) on --eval-batches batches of text no run trains on (the
+installed torch package's .py sources): it tells a model that learned better from a loss that
+only its own training forward reports (a forward that sees what it should not would lose its
+advantage here).
+With --parallel the implementations' processes run side by side (their step times are then
+not comparable; the losses are).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from subprocess import PIPE
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 64)}
@@ -70,6 +82,40 @@ def batches(steps: int, batch: int, seq: int, device: str):
     return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
 
 
+def heldout_batches(n: int, batch: int, seq: int, device: str):
+    """``n`` batches of the installed torch package's .py sources: text no run trains on."""
+    import torch
+
+    out, size = [], 0
+    for path in sorted(Path(torch.__file__).parent.rglob("*.py")):
+        out.append(path.read_bytes())
+        size += len(out[-1])
+        if size >= 16 << 20:
+            break
+    tokens = torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(tokens) - seq - 1, (n, batch), generator=g)
+    windows = tokens[starts[..., None] + torch.arange(seq + 1)]
+    return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
+
+
+def evaluate(weights: dict, cfg, data, device: str) -> float:
+    """The mean loss of ``weights`` (a state dict; tied names may be absent) over ``data``, in
+    a fresh float32 model under autocast bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from examples.gpt import GPT
+
+    model = GPT(cfg).to(device)
+    tied = set(dict(model.named_parameters(remove_duplicate=False))) - set(dict(model.named_parameters()))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    assert not unexpected and set(missing) <= tied, (missing, unexpected)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        losses = [F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()) for x, y in data]
+    return float(torch.stack(losses).mean())
+
+
 def run(impl: str, args) -> dict:
     import torch
     import torch.nn.functional as F
@@ -88,7 +134,15 @@ def run(impl: str, args) -> dict:
     schedule = fsg.optim.warmup_cosine(args.lr, warmup=30, total=args.steps, end_value=args.lr / 10)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
-    if impl == "compile":
+    if impl.startswith("compile"):
+        if impl != "compile":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            recipe = {"compile-fp8": "tensorwise", "compile-fp8-row": "rowwise"}.get(impl, "rowwise_with_gw_hp")
+            convert_to_float8_training(
+                model, config=Float8LinearConfig.from_recipe_name(recipe),
+                module_filter_fn=lambda m, fqn: fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0,
+            )  # fmt: skip
 
         def loss_of(x, y):
             with torch.autocast(dev, dtype=torch.bfloat16):
@@ -112,7 +166,7 @@ def run(impl: str, args) -> dict:
                 opt.zero_grad(set_to_none=True)
                 return loss.detach().clone()
 
-            return step
+            return step, model.state_dict
 
     else:
         matmul = {
@@ -135,11 +189,12 @@ def run(impl: str, args) -> dict:
                 holder[0], metrics = train(holder[0], {"x": x, "y": y})
                 return metrics["loss"].clone()  # replay reuses the graph's output buffers
 
-            return step
+            return step, lambda: holder[0].params
 
-    runs, times = [], []
+    runs, times, heldout = [], [], []
+    held = heldout_batches(args.eval_batches, args.batch, args.seq, dev)
     for _ in range(args.runs):
-        step = start()
+        step, weights = start()
         losses, stamps = [], []
         for i, (x, y) in enumerate(data):
             losses.append(step(i, x, y))
@@ -147,10 +202,12 @@ def run(impl: str, args) -> dict:
                 sync()
                 stamps.append(time.perf_counter())
         runs.append([float(v) for v in torch.stack(losses).cpu()])
+        heldout.append(evaluate(weights(), cfg, held, dev))
         times.extend(b - a for a, b in zip(stamps, stamps[1:]))
     times.sort()
     return {
         "losses": runs,
+        "heldout": heldout,
         "ms": times[len(times) // 2] * 1e3 if times else float("nan"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan"),
     }
@@ -175,6 +232,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches each run is evaluated on")
+    parser.add_argument("--parallel", action="store_true", help="run the implementations side by side")
     parser.add_argument("--json", help="write every run's losses here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,31 +242,41 @@ def main() -> None:
         return
     import torch
 
-    results = {}
-    for impl in args.impl.split(","):
+    results, impls = {}, args.impl.split(",")
+
+    def launch(impl):
         print(f"[convergence] {impl}: {args.runs} runs of {args.steps} steps ...", flush=True)
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", impl, *sys.argv[1:]], capture_output=True, text=True, cwd=ROOT
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        argv = [sys.executable, __file__, "--child", impl, *sys.argv[1:]]
+        return impl, time.perf_counter(), subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, cwd=ROOT)
+
+    def collect(impl, t0, proc):
+        out, err = proc.communicate()
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", flush=True)
-            continue
+            print(f"[convergence] {impl} failed:", out[-3000:], err[-6000:], sep="\n", flush=True)
+            return
         results[impl] = json.loads(lines[-1][len("RESULT ") :])
-        print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"  {impl} done in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    if args.parallel:
+        for job in [launch(impl) for impl in impls]:
+            collect(*job)
+    else:
+        for impl in impls:
+            collect(*launch(impl))
+    results = {impl: results[impl] for impl in impls if impl in results}
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}))
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, {gpu}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
-    print("| implementation | run | mean loss, last 25 steps | step (ms, median) | peak (GiB) |")
-    print("|---|---|---|---|---|")
+    print("| implementation | run | mean loss, last 25 steps | held-out loss (bf16 eval) | step (ms, median) | peak (GiB) |")
+    print("|---|---|---|---|---|---|")
     for impl, r in results.items():
         for k, curve in enumerate(r["losses"]):
             tail = sum(curve[-WINDOW:]) / min(WINDOW, len(curve))
-            print(f"| {impl} | {k + 1} | {tail:.4f} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+            print(f"| {impl} | {k + 1} | {tail:.4f} | {r['heldout'][k]:.4f} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
     print("\nMean |difference| of 25-step moving averages (steps 25..end):\n")
     print("| curve A | curve B | distance |")
     print("|---|---|---|")

@@ -196,7 +196,7 @@ def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypa
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs
 
 
-@pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200), (2048, 3072)])
+@pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200), (2048, 3072), (5000, 2048)])
 def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     """``fsg::rowwise_fp8`` on bf16: the FP8 copy bit for bit torch's cast with the reference's
     scales, the scales and column sums to the reference's."""
@@ -211,7 +211,7 @@ def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
-@pytest.mark.parametrize("shape", [(16, 1024, 4096), (3, 100, 200)])
+@pytest.mark.parametrize("shape", [(16, 1024, 4096), (3, 100, 200), (2049, 8192)])
 def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
     """``fsg::gelu_fp8`` on bf16: the activation to aten's ``gelu`` (last-bit differences of
     erf/tanh), the FP8 copy bit for bit the cast of the kernel's own activation with its own
@@ -228,7 +228,7 @@ def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
 
 
 @pytest.mark.parametrize("pieces", [2, 3])
-@pytest.mark.parametrize("shape", [(16, 1024, 16, 64), (3, 100, 2, 40)])
+@pytest.mark.parametrize("shape", [(16, 1024, 16, 64), (3, 100, 2, 40), (3, 1500, 16, 128)])
 def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
     """``fsg::cat_rowwise_fp8`` on pieces laid out as attention's gradients come ([B, T, H, D]
     read as [B, T, C] rows) and on transposed pieces ([B, H, T, D], copied to rows first): the

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fsg._src.kernels import float8_cast as K
+from fsg._src.kernels import float8_cast_kernel as KK
 from fsg._src.kernels._common import RowTiling
 from tests.kernels.common import KERNEL, needs_triton, rel
 
@@ -87,6 +88,20 @@ def test_fake_shapes_match_the_real_op():
     with FakeTensorMode() as mode:
         fake = K.gelu_backward_fp8(mode.from_tensor(dy), mode.from_tensor(dy), "tanh")
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real]
+
+
+@needs_triton
+@given(st.integers(1, 1 << 17), st.sampled_from(sorted(KK.TILES)), st.integers(0, 1))
+def test_a_measured_tiling_covers_every_row_once_with_its_warps_and_programs(m, entry, narrower):
+    """Each ``TILES`` entry (and the default for a width just under it) tiles ``M`` rows with
+    one row a tile and no more programs than the entry measured: every row in exactly one
+    program's walk, none past the last."""
+    (kind, block), (warps, programs) = entry, KK.TILES[entry]
+    c = block - narrower * (block // 4)  # a width that rounds up to the same block
+    producer = {"cat": "identity", "gelu_backward": "gelu_backward:none", "gelu": "gelu:tanh"}.get(kind, kind)
+    t = K.tiling(m, c, producer, pieces=3 if kind == "cat" else 1)
+    assert (t.rows, t.block, t.num_warps) == (1, block, warps)
+    assert t.programs <= programs and (t.programs - 1) * t.iters < m <= t.programs * t.iters
 
 
 @needs_triton

@@ -132,23 +132,32 @@ def _rowwise_fp8_kernel(
 
 
 def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTiling:
-    """One row a tile (``C``-wide pieces), ``PROGRAMS`` programs walking the rows, and the
-    warps ``WARPS`` measured best for the producer and the width.
+    """One row a tile (``C``-wide pieces), and the warps and program count ``TILES`` holds for
+    the producer and the width (measured best on the H200), else ``block / 512`` warps (4 to
+    16) and ``PROGRAMS`` programs walking the rows.
 
-    The H200 sweep (``benchmarks/fp8_cast.py --sweep``, GPT-2 355M's tensors, RESULTS.md):
-    tiles of 2 or 4 rows ran 1.5-10x slower than one row at every width; about 2048 programs
-    beat 512 by up to 1.3x (the residual gradient 0.037 against 0.048 ms) and matched one
-    program a row; the best warps differ by producer (a GELU 16, its gradient 8)."""
+    The H200 sweeps (``benchmarks/fp8_cast.py --sweep [--wide]``, RESULTS.md): tiles of 2 or 4
+    rows ran 1.1-10x slower than one row at every width from 1024 to 8192; the best warps
+    differ by producer and width (at 8192 a GELU 32, its gradient 8: 0.23 against 0.35 ms
+    and 0.35 against 0.54 ms with 16); 1024-2048 programs beat 512 and one program a row."""
     block = triton.next_power_of_2(C)
     kind = producer.split(":")[0] if pieces == 1 else "cat"
-    warps = WARPS.get((kind, block), min(16, max(4, block // 512)))
-    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)), num_warps=warps)
+    warps, programs = TILES.get((kind, block), (min(16, max(4, block // 512)), PROGRAMS))
+    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / programs)), num_warps=warps)
 
 
 PROGRAMS = 2048  # programs over the rows (and column-sum partial rows): ~16 per SM on an H200
-# (producer, block) -> num_warps, the best of the H200 sweep where it differs from the default
-# rule (block / 512, 4 to 16): GPT-2 355M's widths (4096 for the MLP, 1024 for the rest)
-WARPS: dict[tuple[str, int], int] = {("gelu", 4096): 16, ("identity", 1024): 8}
+# (producer, block) -> (num_warps, programs), the best of the H200 sweeps at M = 16384 where
+# it differs from the default: GPT-2 355M's widths (4096 for the MLP, 1024 for the rest) and
+# the 1.3B config's (8192, 2048; "cat" is the qkv gradient's three pieces)
+TILES: dict[tuple[str, int], tuple[int, int]] = {
+    ("gelu", 4096): (16, PROGRAMS),
+    ("identity", 1024): (8, PROGRAMS),
+    ("gelu", 8192): (32, PROGRAMS),
+    ("gelu_backward", 8192): (8, 1024),
+    ("cat", 2048): (8, 1024),
+    ("identity", 2048): (4, 1024),
+}
 
 
 def launch(
