@@ -44,11 +44,13 @@ Implementations (--impl):
             (kernels/float8_cast.py): every cast left to Inductor, for the A/B in one run
   fsg-fp8-row-gelubwd   fsg-fp8-row with only the GELU gradient's cast fused (the GELU
             activation's and the qkv gradient's left to Inductor)
-  fsg-fp8-row-colsum   fsg-fp8-row with FUSE_COLUMN_SUMS on: every other operand a bias
-            gradient sums is cast with its column sums in one kernel (off by default: slower)
+  fsg-fp8-row-nocolsum   fsg-fp8-row with FUSE_COLUMN_SUMS off: the operands a bias gradient
+            sums, other than the fused producers', cast by Inductor (fsg-fp8-row-colsum, the
+            default since the twelfth session, is fsg-fp8-row)
   fsg-fp8-row-gw   fsg-fp8-row with Float8(grad_weight="fp8"): the grad-weights in FP8 too,
             dY and X scaled per column (along the tokens) through transposed casts
-  fsg-fp8-row-gw-colsum   fsg-fp8-row-gw with FUSE_COLUMN_SUMS on
+  fsg-fp8-row-gw-nocolsum   fsg-fp8-row-gw with FUSE_COLUMN_SUMS off (fsg-fp8-row-gw-colsum is
+            fsg-fp8-row-gw)
 """
 
 from __future__ import annotations
@@ -157,7 +159,7 @@ def run_torch(impl: str, args) -> dict:
         float8_quantize.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
         if impl == "fsg-fp8-row-gelubwd":
             float8_quantize.FUSED_PRODUCERS = frozenset({float8_quantize.GELU_BACKWARD})
-        float8_quantize.FUSE_COLUMN_SUMS = impl.endswith("-colsum")
+        float8_quantize.FUSE_COLUMN_SUMS = not impl.endswith("-nocolsum")
 
         def loss_fn(params, batch):
             if logits_loss:
@@ -176,8 +178,10 @@ def run_torch(impl: str, args) -> dict:
                     "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
+                    "fsg-fp8-row-nocolsum": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                     "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+                    "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                 }.get(impl),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,
