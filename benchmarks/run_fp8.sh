@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 18's FP8 figures on one H200 in one call (~9 minutes): the float8 CUDA tests, the cast
 # kernels against Inductor, GPT-2 355M (fsg bf16 beside rowwise FP8) and 1.3B (torchao float8
-# training, rowwise FP8, fsg bf16). Every configuration is first compiled side by side to fill
+# training, rowwise FP8 with FP8 grad-weights, fsg bf16): RESULTS.md's 2026-12-03 tables. Every configuration is first compiled side by side to fill
 # Inductor's cache; then each timed row runs alone on the GPU. Logs go to ${OUT:-out}/.
 # Usage: bash benchmarks/run_fp8.sh            (IMPLS_355M / IMPLS_13B override the row lists)
 set -u
@@ -9,7 +9,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fsg_inductor_cache}
 IMPLS_355M=${IMPLS_355M:-fsg,fsg-fp8-row}
-IMPLS_13B=${IMPLS_13B:-compile-fp8,fsg-fp8-row,fsg}
+IMPLS_13B=${IMPLS_13B:-compile-fp8,fsg-fp8-row-gw,fsg}
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$OUT/versions.txt" 2>&1
 # warm-up compiles, side by side (one process each; the 1.3B ones are the slow compiles)
