@@ -93,9 +93,9 @@ def test_fake_shapes_match_the_real_op():
 @needs_triton
 @given(st.integers(1, 1 << 17), st.sampled_from(sorted(KK.TILES)), st.integers(0, 1))
 def test_a_measured_tiling_covers_every_row_once_with_its_warps_and_programs(m, entry, narrower):
-    """Each ``TILES`` entry (and the default for a width just under it) tiles ``M`` rows with
-    one row a tile and no more programs than the entry measured: every row in exactly one
-    program's walk, none past the last."""
+    """Each ``TILES`` entry, at its block's width or a quarter narrower (which rounds up to
+    the same block), tiles ``M`` rows one row a tile with the entry's warps and no more
+    programs than it measured: every row in exactly one program's walk, none past the last."""
     (kind, block), (warps, programs) = entry, KK.TILES[entry]
     c = block - narrower * (block // 4)  # a width that rounds up to the same block
     producer = {"cat": "identity", "gelu_backward": "gelu_backward:none", "gelu": "gelu:tanh"}.get(kind, kind)
