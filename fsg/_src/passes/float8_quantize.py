@@ -39,8 +39,8 @@ ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel:
 FUSE_PRODUCERS = True
 FUSED_PRODUCERS = frozenset(FUSED_OPS)
-# any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.98
-# against 76.27 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
+# any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
+# against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
 FUSE_COLUMN_SUMS = True
 _DENSE = {"memory_format": torch.contiguous_format}
 
