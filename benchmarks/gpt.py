@@ -51,6 +51,8 @@ Implementations (--impl):
             dY and X scaled per column (along the tokens) through transposed casts
   fsg-fp8-row-gw-nocolsum   fsg-fp8-row-gw with FUSE_COLUMN_SUMS off (fsg-fp8-row-gw-colsum is
             fsg-fp8-row-gw)
+  fsg-fp8-row-gw-nocolamax   fsg-fp8-row-gw with FUSE_COLUMN_AMAX off: the transposed casts'
+            column maxima reduced by Inductor, not in the fused cast kernels
 """
 
 from __future__ import annotations
@@ -154,12 +156,13 @@ def run_torch(impl: str, args) -> dict:
 
     else:
         logits_loss = impl == "fsg-logits"
-        from fsg._src.passes import float8_quantize
+        from fsg._src.passes import float8_fuse
 
-        float8_quantize.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
+        float8_fuse.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
         if impl == "fsg-fp8-row-gelubwd":
-            float8_quantize.FUSED_PRODUCERS = frozenset({float8_quantize.GELU_BACKWARD})
-        float8_quantize.FUSE_COLUMN_SUMS = not impl.endswith("-nocolsum")
+            float8_fuse.FUSED_PRODUCERS = frozenset({float8_fuse.GELU_BACKWARD})
+        float8_fuse.FUSE_COLUMN_SUMS = not impl.endswith("-nocolsum")
+        float8_fuse.FUSE_COLUMN_AMAX = not impl.endswith("-nocolamax")
 
         def loss_fn(params, batch):
             if logits_loss:
@@ -182,6 +185,7 @@ def run_torch(impl: str, args) -> dict:
                     "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                     "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                     "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+                    "fsg-fp8-row-gw-nocolamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                 }.get(impl),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,

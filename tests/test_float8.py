@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fsg
 from fsg._src.errors import UnsupportedError
 from fsg._src.passes import float8 as float8_pass
-from fsg._src.passes import float8_quantize
+from fsg._src.passes import float8_fuse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -409,7 +409,7 @@ def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_grap
     for b in batches:
         fused_state, m = step(fused_state, b)
         fused_losses.append(float(m["loss"]))
-    monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", False)
+    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
     step, state = _gpt_step(ROWWISE_POLICY)
     assert step.lower(state, batches[0]).as_text().count("aten.gelu_backward.default(") == 2
     plain_losses, plain_state = [], state
@@ -427,7 +427,7 @@ def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
     batches = _gpt_batches(3)
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_quantize, "FUSE_COLUMN_SUMS", fuse)
+        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_SUMS", fuse)
         step, state = _gpt_step(ROWWISE_POLICY)
         counts = step.lower(state, batches[0]).op_counts()
         # proj's and fc_proj's input gradients (qkv's is the fused concatenation's)
@@ -441,12 +441,15 @@ def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
     _states_close(runs[True][1], runs[False][1], 1e-2)
 
 
-def _fused_and_unfused(block: Callable[[], nn.Module], width: int, lead: tuple) -> list[tuple[float, Any, str]]:
+def _fused_and_unfused(
+    block: Callable[[], nn.Module], width: int, lead: tuple, flag: str = "FUSE_PRODUCERS", grad_weight=None
+) -> list[tuple[float, Any, str]]:
     """One rowwise SGD step of ``Linear(width, width)`` then ``block()`` (same init) with the
-    float8 pass's fused producers on, then off: ``(loss, state, lowered graph text)`` each.
-    The column-sum fusion is off in both, so the graphs differ by the producers' fusion only
-    (``test_column_sums_fusion_equals_the_unfused_step`` covers it)."""
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+    float8 fusion ``flag`` on, then off: ``(loss, state, lowered graph text)`` each. For the
+    producers' fusion the column-sum fusion is off in both, so the graphs differ by the
+    producers' fusion only (``test_column_sums_fusion_equals_the_unfused_step`` covers it)."""
+    config = fsg.Float8(recipe="rowwise", keep_output_head=False, grad_weight=grad_weight)
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=config)
     runs = []
     for fuse in (True, False):
         torch.manual_seed(0)
@@ -455,8 +458,9 @@ def _fused_and_unfused(block: Callable[[], nn.Module], width: int, lead: tuple) 
         def loss_fn(params, batch):
             return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
 
-        previous = float8_quantize.FUSE_PRODUCERS, float8_quantize.FUSE_COLUMN_SUMS
-        float8_quantize.FUSE_PRODUCERS, float8_quantize.FUSE_COLUMN_SUMS = fuse, False
+        previous = float8_fuse.FUSE_COLUMN_SUMS, getattr(float8_fuse, flag)
+        float8_fuse.FUSE_COLUMN_SUMS = float8_fuse.FUSE_COLUMN_SUMS and flag != "FUSE_PRODUCERS"
+        setattr(float8_fuse, flag, fuse)
         try:
             step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
             state = step.init(fsg.params(model))
@@ -464,7 +468,8 @@ def _fused_and_unfused(block: Callable[[], nn.Module], width: int, lead: tuple) 
             text = step.lower(state, {"x": x}).as_text()
             state, m = step(state, {"x": x})
         finally:
-            float8_quantize.FUSE_PRODUCERS, float8_quantize.FUSE_COLUMN_SUMS = previous
+            float8_fuse.FUSE_COLUMN_SUMS = previous[0]
+            setattr(float8_fuse, flag, previous[1])
         runs.append((float(m["loss"]), state, text))
     return runs
 
@@ -542,6 +547,65 @@ def test_fused_concatenation_step_equals_the_unfused_step(pieces, heads, bias, l
     assert sums[0] == sums[1] - (1 if bias else 0)  # the projection's bias gradient reads the fused sums
     assert fused_loss == plain_loss
     _states_close(fused, plain, 1e-2)
+
+
+GRAD_WEIGHT_POLICY = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", grad_weight="fp8"))
+
+
+def _states_equal(a, b):
+    for (name, x), y in zip(a.params.items(), b.params.values()):
+        assert torch.equal(x, y), name
+
+
+def test_column_amax_fusion_serves_the_transposed_casts_and_changes_no_bit(monkeypatch):
+    """``Float8(recipe="rowwise", grad_weight="fp8")``: each grad-weight reads ``dY`` and ``X``
+    through transposed casts scaled per column. Where a fused op casts the tensor (the GELU, its
+    gradient, the qkv gradient's concatenation, the residual stream's gradient at both output
+    projections) it returns the column maxima too: 5 of a block's 8 transposed casts need no
+    column reduction of their own, and the step is the unfused one bit for bit (the maxima are
+    the same numbers)."""
+    batches = _gpt_batches(3)
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_AMAX", fuse)
+        step, state = _gpt_step(GRAD_WEIGHT_POLICY)
+        text = step.lower(state, batches[0]).as_text()
+        fused_ops = [line for line in text.splitlines() if "fp8.default(" in line]
+        assert len(fused_ops) == 5 * GPT_CFG.n_layer and all(f", {fuse})" in line for line in fused_ops)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(float(m["loss"]))
+        runs[fuse] = (text.count("aten.amax.default("), losses, state)
+    assert runs[True][0] == runs[False][0] - 5 * GPT_CFG.n_layer
+    assert runs[True][1] == runs[False][1]
+    _states_equal(runs[True][2], runs[False][2])
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    st.sampled_from(["mlp", "split"]), st.booleans(), st.sampled_from([(32,), (2, 16)]), st.sampled_from([16, 32])
+)  # fmt: skip
+def test_column_amax_fusion_equals_the_unfused_step_over_blocks(block, bias, lead, width):
+    """Over MLPs (the GELU and its gradient fused) and split projections (their gradient's
+    concatenation), with or without biases: with FP8 grad-weights, the fused column maxima
+    leave the step bit for bit as it was, and each fused op whose tensor a grad-weight reads
+    transposed computes them."""
+    make = {
+        "mlp": lambda: _GeluMLP(width, 2 * width, "tanh", bias, True),
+        "split": lambda: _SplitProjection(width, 3, 2 if len(lead) == 2 else 0, bias),  # heads need [B, T, C]
+    }[block]
+    (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
+        make, width, lead, "FUSE_COLUMN_AMAX", grad_weight="fp8"
+    )
+    asked = [
+        sum(", True)" in line for line in text.splitlines() if "fp8.default(" in line)
+        for text in (fused_text, plain_text)
+    ]
+    assert asked[0] >= (2 if block == "mlp" else 1) and asked[1] == 0
+    assert fused_text.count("aten.amax.default(") < plain_text.count("aten.amax.default(")
+    assert fused_loss == plain_loss
+    _states_equal(fused, plain)
 
 
 @pytest.mark.inductor

@@ -162,8 +162,8 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
     g_ = torch.Generator(device="cuda").manual_seed(0)
     dy = (torch.randn(shape, generator=g_, device="cuda") * 1e-3).bfloat16()
     h = (torch.randn(shape, generator=g_, device="cuda") * 2).bfloat16()
-    g, q, inv, colsum = K.gelu_backward_fp8(dy, h, approximate)
-    g_ref, _, inv_ref, colsum_ref = K.gelu_backward_fp8_reference(dy, h, approximate)
+    g, q, inv, colsum, colamax = K.gelu_backward_fp8(dy, h, approximate, True)
+    g_ref, _, inv_ref, colsum_ref, _ = K.gelu_backward_fp8_reference(dy, h, approximate)
     # where gelu' crosses zero (h near -0.75) g is tiny and erf's last bit is a large relative
     # error (measured: 2.8% at |g| 1e-10, the H200): atol at bf16's resolution of the largest |g|
     torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=2**-8 * float(g_ref.abs().max()) * 2**-8)
@@ -171,6 +171,7 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
     assert_fp8_cast(q, g_MN, inv)
     torch.testing.assert_close(inv, g_MN.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
     torch.testing.assert_close(colsum, g_MN.sum(0), rtol=1e-4, atol=1e-4 * float(g_MN.abs().sum(0).max()))
+    assert torch.equal(colamax, g_MN.abs().amax(0))  # the column maxima of the kernel's own g, exactly
     torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
     torch.testing.assert_close(colsum, colsum_ref, rtol=1e-2, atol=1e-2 * float(colsum_ref.abs().max()))
 
@@ -179,13 +180,13 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
 def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypatch):
     """Inductor + graph replay: the step with ``fsg::gelu_backward_fp8`` tracks the one whose
     casts the pass builds op by op (Inductor's kernels) to rounding."""
-    from fsg._src.passes import float8_quantize
+    from fsg._src.passes import float8_fuse
 
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = _cuda(_gpt_batches(6))
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", fuse)
+        monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", fuse)
         step, state = _gpt(policy)
         text = step.lower(state, batches[0]).as_text()
         for op in ("gelu_backward_fp8", "gelu_fp8", "cat_rowwise_fp8"):
@@ -197,6 +198,26 @@ def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypa
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs
 
 
+@needs_fp8
+def test_grad_weight_step_with_fused_column_maxima_equals_the_unfused_step(monkeypatch):
+    """Inductor + graph replay, FP8 grad-weights: the transposed casts scaled by the fused ops'
+    column maxima track the step whose maxima Inductor reduces (the same numbers: the two
+    differ only where Inductor fuses the rest of the graph differently)."""
+    from fsg._src.passes import float8_fuse
+
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", grad_weight="fp8"))
+    batches = _cuda(_gpt_batches(6))
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_AMAX", fuse)
+        step, state = _gpt(policy)
+        runs[fuse] = []
+        for b in batches:
+            state, m = step(state, b)
+            runs[fuse].append(float(m["loss"]))
+    assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 5e-3, runs
+
+
 @pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200), (2048, 3072), (5000, 2048)])
 def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     """``fsg::rowwise_fp8`` on bf16: the FP8 copy bit for bit torch's cast with the reference's
@@ -204,8 +225,9 @@ def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     from fsg._src.kernels import float8_cast as K
 
     x = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 3).bfloat16()
-    q, inv, colsum = K.rowwise_fp8(x)
-    q_ref, inv_ref, colsum_ref = K.rowwise_fp8_reference(x)
+    q, inv, colsum, colamax = K.rowwise_fp8(x, True)
+    q_ref, inv_ref, colsum_ref, colamax_ref = K.rowwise_fp8_reference(x, True)
+    assert torch.equal(colamax, colamax_ref)
     torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
     assert_fp8_cast(q, x.reshape(q.shape).float(), inv)
     torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)
@@ -220,8 +242,9 @@ def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
     from fsg._src.kernels import float8_cast as K
 
     h = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 2).bfloat16()
-    a, q, inv = K.gelu_fp8(h, approximate)
-    a_ref, _, inv_ref = K.gelu_fp8_reference(h, approximate)
+    a, q, inv, colamax = K.gelu_fp8(h, approximate, True)
+    a_ref, _, inv_ref, _ = K.gelu_fp8_reference(h, approximate)
+    assert torch.equal(colamax, a.reshape(q.shape).float().abs().amax(0))
     torch.testing.assert_close(a, a_ref, rtol=2**-7, atol=1e-6)
     a_MN = a.reshape(q.shape).float()
     assert_fp8_cast(q, a_MN, inv)
@@ -244,9 +267,9 @@ def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
         torch.randn(B, H, T, D, generator=gen, device="cuda").bfloat16().transpose(1, 2) for _ in range(pieces)
     ]
     for xs in (as_rows, [x.reshape(B, T, H * D) for x in transposed]):
-        g, q, inv, colsum = K.cat_rowwise_fp8(xs)
-        g_ref, _, inv_ref, colsum_ref = K.cat_rowwise_fp8_reference(xs)
-        assert torch.equal(g, g_ref)
+        g, q, inv, colsum, colamax = K.cat_rowwise_fp8(xs, True)
+        g_ref, _, inv_ref, colsum_ref, colamax_ref = K.cat_rowwise_fp8_reference(xs, True)
+        assert torch.equal(g, g_ref) and torch.equal(colamax, colamax_ref)
         assert_fp8_cast(q, g.reshape(q.shape).float(), inv)
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsg
-from fsg._src.passes import float8_quantize
+from fsg._src.passes import float8_fuse
 
 pytest.importorskip("transformers")
 
@@ -47,7 +47,7 @@ def test_rowwise_step_tracks_the_bf16_step(kind):
 def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind, monkeypatch):
     loss, update, counts = one_step(kind, ROWWISE)
     assert counts.get("fsg.gelu_backward_fp8", 0) >= 2 and "aten.gelu_backward" not in counts
-    monkeypatch.setattr(float8_quantize, "FUSE_PRODUCERS", False)
+    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
     plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
     assert "fsg.gelu_backward_fp8" not in plain_counts
     assert loss == plain_loss

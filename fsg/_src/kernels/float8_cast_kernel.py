@@ -1,7 +1,8 @@
 """The Triton kernel behind ``kernels/float8_cast.py``'s ops: rows produced from what it reads
 (as read, a GELU, a GELU gradient, or the pieces of a concatenation), cast row by row to
-``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype and
-summed along the columns, in one read of the inputs; its tiling, measured on the H200.
+``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype, summed
+along the columns and reduced to the column maxima of their magnitudes (a transposed cast's
+scales), in one read of the inputs; its tiling, measured on the H200.
 
 Shape legend: M rows (tokens), N the row width (the contracted dim of the matmul that reads the
 FP8 copy), C the width of one piece of a concatenation.
@@ -85,20 +86,23 @@ def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
 
 @triton.jit
 def _rowwise_fp8_kernel(
-    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, M, C, s0, s1, s2, fp8_max, eps,
-    PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
-    ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, M, C, s0, s1, s2,
+    fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
+    COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
     stride ``s_i``), produced and cast row by row to FP8 with their inverse scales; ``g``
     itself stored when ``WRITE_G``; one float32 row of column sums per program when
-    ``COLSUM``."""
+    ``COLSUM``, of column maxima of ``|g|`` when ``COLAMAX``."""
     pid = tl.program_id(0)
     N = C * PIECES
     cols = tl.arange(0, BLOCK)
     colsum0 = tl.zeros([BLOCK], tl.float32)
     colsum1 = tl.zeros([BLOCK], tl.float32)
     colsum2 = tl.zeros([BLOCK], tl.float32)
+    colamax0 = tl.zeros([BLOCK], tl.float32)
+    colamax1 = tl.zeros([BLOCK], tl.float32)
+    colamax2 = tl.zeros([BLOCK], tl.float32)
     for it in range(ITERS):
         rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
         row_ok = rows < M
@@ -115,20 +119,34 @@ def _rowwise_fp8_kernel(
         _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)
         if COLSUM:
             colsum0 += tl.sum(g0, axis=0)
+        if COLAMAX:  # (masked elements are 0: they leave a maximum of |g| as it is)
+            colamax0 = tl.maximum(colamax0, tl.max(tl.abs(g0), axis=0))
         if PIECES > 1:
             _store_fp8(q_ptr, g1, scale, rows, row_ok, cols, C, N, C, fp8_max)
             if COLSUM:
                 colsum1 += tl.sum(g1, axis=0)
+            if COLAMAX:
+                colamax1 = tl.maximum(colamax1, tl.max(tl.abs(g1), axis=0))
         if PIECES > 2:
             _store_fp8(q_ptr, g2, scale, rows, row_ok, cols, C, N, 2 * C, fp8_max)
             if COLSUM:
                 colsum2 += tl.sum(g2, axis=0)
+            if COLAMAX:
+                colamax2 = tl.maximum(colamax2, tl.max(tl.abs(g2), axis=0))
     if COLSUM:
-        tl.store(colsum_part_ptr + pid * N + cols, colsum0, mask=cols < C)
-        if PIECES > 1:
-            tl.store(colsum_part_ptr + pid * N + C + cols, colsum1, mask=cols < C)
-        if PIECES > 2:
-            tl.store(colsum_part_ptr + pid * N + 2 * C + cols, colsum2, mask=cols < C)
+        _store_partials(colsum_part_ptr, colsum0, colsum1, colsum2, pid, N, C, cols, PIECES)
+    if COLAMAX:
+        _store_partials(colamax_part_ptr, colamax0, colamax1, colamax2, pid, N, C, cols, PIECES)
+
+
+@triton.jit
+def _store_partials(part_ptr, p0, p1, p2, pid, N, C, cols, PIECES: tl.constexpr):
+    """A program's row of column partials (each piece's ``C`` columns in place)."""
+    tl.store(part_ptr + pid * N + cols, p0, mask=cols < C)
+    if PIECES > 1:
+        tl.store(part_ptr + pid * N + C + cols, p1, mask=cols < C)
+    if PIECES > 2:
+        tl.store(part_ptr + pid * N + 2 * C + cols, p2, mask=cols < C)
 
 
 def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTiling:
@@ -162,26 +180,27 @@ TILES: dict[tuple[str, int], tuple[int, int]] = {
 
 def launch(
     xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum_part_PN, producer: str,
-    t: RowTiling | None = None,
+    t: RowTiling | None = None, colamax_part_PN: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
     stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the GELU input of a
     ``"gelu_backward:*"`` producer (``x``'s strides), else ``None``; ``g_MN`` ``None`` where
     the rows are not written (``"identity"`` with one piece); ``colsum_part_PN`` ``None``
-    for no column sums, else ``t.programs`` rows whose sum is the column sums. ``q_MN`` is
+    for no column sums, else ``t.programs`` rows whose sum is the column sums;
+    ``colamax_part_PN`` likewise, rows whose maximum is the column maxima of ``|g|``. ``q_MN`` is
     scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
     docstring)."""
     M, C = xs[0].shape
     assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
     assert h_MC is None or h_MC.stride() == xs[0].stride()
-    colsum = colsum_part_PN is not None
     t = t or tiling(M, C, producer, len(xs))
     strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
     x0 = xs[0]
     _rowwise_fp8_kernel[(t.programs,)](
         x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
-        q_MN, inv_M, q_MN if colsum_part_PN is None else colsum_part_PN, M, C, *strides,
+        q_MN, inv_M, *(q_MN if p is None else p for p in (colsum_part_PN, colamax_part_PN)), M, C, *strides,
         float(torch.finfo(E4M3).max), EPS,
-        PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None, COLSUM=colsum,
+        PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None,
+        COLSUM=colsum_part_PN is not None, COLAMAX=colamax_part_PN is not None,
         ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
     )  # fmt: skip

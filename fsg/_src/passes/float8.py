@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
-from fsg._src.passes.float8_quantize import Quantizer, operands, peel
+from fsg._src.passes.float8_quantize import Quantizer, flipped, operands, peel
 from fsg._src.precision import Float8
 
 log = logging.getLogger("fsg")
@@ -238,8 +238,8 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             roles[node] = (candidates, grads, saved is candidates[0].x)
     rowwise = at.config.recipe == "rowwise"
     batch = _batch_dependent(graph, placeholders[at.first_batch_input:]) if at.amax_groups else set()
-    quantizer, converted = Quantizer(graph, rowwise, at.amax_groups, batch), 0
     kept: dict[tuple[str, torch.dtype], list[str]] = {}  # (why, dtype) -> the matmuls that stay for it
+    todo: list[tuple[fx.Node, tuple[bool, bool], bool]] = []  # (matmul, grads, fast accumulation)
     for node in matmuls:  # graph order: a tensor's scale and casts come before every reader
         why = _why_not_op(node, rowwise)
         if node in layers:
@@ -261,10 +261,13 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             log.debug("fsg: float8: %s (%s) stays in %s: %s", node.name, shapes, node.meta["val"].dtype, why)
             kept.setdefault((why, node.meta["val"].dtype), []).append(f"{node.name} ({shapes})")
             continue
+        todo.append((node, grads, fast))
+    reads_flipped = flipped([node for node, _, _ in todo]) if rowwise else set()
+    quantizer = Quantizer(graph, rowwise, at.amax_groups, batch, reads_flipped)
+    for node, grads, fast in todo:
         quantizer.matmul(node, grads, fast)
-        converted += 1
     for (why, dtype), which in kept.items():  # one line a reason: a 1.3B GPT keeps 96 grad-weights for one
         log.info("fsg: float8: %s in %s: %s: %s", _stay(len(which)), dtype, why, _listing(which))
     graph.eliminate_dead_code()
     gm.recompile()
-    return f"{converted} of {len(matmuls)} matmuls in FP8"
+    return f"{len(todo)} of {len(matmuls)} matmuls in FP8"

@@ -16,32 +16,13 @@ from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.kernels import float8_cast
+from fsg._src.passes import float8_fuse
 
 aten = torch.ops.aten
 ADDMM, SCALED_MM = aten.addmm.default, aten._scaled_mm.default
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = float8_cast.EPS  # the smallest amax a scale is computed from (an all-zero tensor gets a finite scale)
 _ALIASES = (aten.detach.default, aten.alias.default)
-_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-GELU, GELU_BACKWARD, CAT, SUM_DIM = (
-    aten.gelu.default,
-    aten.gelu_backward.default,
-    aten.cat.default,
-    aten.sum.dim_IntList,
-)
-FUSED_OPS = {
-    GELU_BACKWARD: torch.ops.fsg.gelu_backward_fp8.default,
-    GELU: torch.ops.fsg.gelu_fp8.default,
-    CAT: torch.ops.fsg.cat_rowwise_fp8.default,
-}
-ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
-# The fused kernels of kernels/float8_cast.py (benchmarks/gpt.py turns each off for its A/B):
-# a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel:
-FUSE_PRODUCERS = True
-FUSED_PRODUCERS = frozenset(FUSED_OPS)
-# any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
-# against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
-FUSE_COLUMN_SUMS = True
 _DENSE = {"memory_format": torch.contiguous_format}
 
 
@@ -67,6 +48,19 @@ def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
     return node.args[0], node.args[1], None
 
 
+def flipped(matmuls: list[fx.Node]) -> set[fx.Node]:
+    """The tensors (``float8_fuse.rows_base``) these matmuls read as the transpose of a
+    row-major cast (rowwise: ``X`` and ``dY`` of a grad-weight in FP8), whose column maxima a
+    fused op computes where it casts them."""
+    out = set()
+    for node in matmuls:
+        for operand, second in zip(operands(node)[:2], (False, True)):
+            t, transposed = peel(operand)
+            if transposed != second:
+                out.add(float8_fuse.rows_base(t))
+    return out
+
+
 class Quantizer:
     """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
 
@@ -76,6 +70,7 @@ class Quantizer:
         rowwise: bool = False,
         amax_groups: tuple[str, ...] = (),
         batch: frozenset | set = frozenset(),
+        flipped: frozenset | set = frozenset(),
     ) -> None:
         self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
         # tensorwise on a mesh: each amax of a tensor in ``batch`` is all-reduced (max) over these groups
@@ -83,6 +78,9 @@ class Quantizer:
         # tensorwise: (t, dtype) -> (scale, 1/scale); rowwise: (t, flip, dtype) -> 1/scale
         self.scales: dict[tuple, Any] = {}
         self.casts: dict[tuple[fx.Node, bool, torch.dtype], fx.Node] = {}
+        # rowwise: the tensors (``float8_fuse.rows_base``) some matmul reads transposed, and the
+        # column maxima of |t| a fused op computed for one of them (the transposed cast's scales)
+        self.flipped, self.column_amax = flipped, {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
@@ -141,116 +139,22 @@ class Quantizer:
         ``[M, 1]`` for the first operand, ``[1, N]`` (the second's columns) for the second.
         Each row's amax is a reduction over one row, so the cast needs no pass over the whole
         tensor first and can run in the kernel that produces the row."""
-        if (t, flip, dtype) not in self.casts and not flip and FUSE_PRODUCERS:
-            self.fused_producer(t, dtype)
-        if (t, flip, dtype) not in self.casts and not flip and FUSE_COLUMN_SUMS:
-            self.fused_column_sums(t, dtype)
+        if not flip and (t, flip, dtype) not in self.casts:
+            float8_fuse.fuse(self, t, dtype)  # (where it applies: the flipped scales too, if read later)
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
-            scale = self.scale_of(
-                self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True)), dtype
-            )
+            colamax = self.column_amax.get(float8_fuse.rows_base(t)) if flip else None
+            if colamax is not None:  # rows' maxima, computed where t was: [N] as [N, 1]
+                amax = self.call(aten.view.default, (colamax, [t.meta["val"].shape[1], 1]))
+            else:
+                amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
+            scale = self.scale_of(amax, dtype)
             self.casts[(t, flip, dtype)] = self.cast(rows, scale, dtype)
             self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))
         cast, inv = self.casts[(t, flip, dtype)], self.scales[(t, flip, dtype)]
         if second:
             return self.call(aten.t.default, (cast,)), self.call(aten.t.default, (inv,))
         return cast, inv
-
-    def fused_producer(self, t: fx.Node, dtype: torch.dtype) -> None:
-        """If ``t`` (its rows flattened to 2-D) is the output of an op ``kernels/float8_cast.py``
-        fuses with the cast (``FUSED_OPS``: a GELU gradient, a GELU, a concatenation along the
-        rows), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
-        sums in one kernel: the op becomes the fused op, whose copy and inverse scales are
-        ``t``'s cast, and each ``sum(t, [0])`` reads the fused column sums. Anything else is
-        left to the generic cast."""
-        producer = t
-        while producer.op == "call_function" and producer.target in _FLATTENS:
-            producer = producer.args[0]
-        if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS or dtype != float8_cast.E4M3:
-            return
-        g_val, t_val = producer.meta["val"], t.meta["val"]
-        if g_val.dim() < 2 or t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1]:
-            return
-        if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
-            return
-        args = self.fused_args(producer)
-        if args is None:
-            return
-        with self.graph.inserting_before(producer.next):
-            fused = self.call(FUSED_OPS[producer.target], args)
-            g, q, inv, *colsum = (self.item(fused, i) for i in range(len(fused.meta["val"])))
-            producer.replace_all_uses_with(g)
-            self.graph.erase_node(producer)
-        rows = g if t is producer else t  # a 2-D producer is t itself: its readers now read g
-        for key in {(t, False, dtype), (rows, False, dtype)}:
-            self.casts[key], self.scales[key] = q, inv
-        if colsum:
-            self.read_column_sums(rows, colsum[0])
-
-    @staticmethod
-    def fused_args(producer: fx.Node) -> tuple | None:
-        """The fused op's arguments for ``producer`` (``FUSED_OPS``), or ``None`` where the
-        kernel does not cover it."""
-
-        def approximate(i: int) -> str:
-            return producer.kwargs.get("approximate", producer.args[i] if len(producer.args) > i else "none")
-
-        shape = producer.meta["val"].shape
-        if producer.target is GELU_BACKWARD:
-            dy, h = producer.args[:2]
-            if (
-                not (isinstance(dy, fx.Node) and isinstance(h, fx.Node))
-                or approximate(2) not in float8_cast.APPROXIMATIONS
-            ):
-                return None
-            if any(v.meta["val"].shape != shape or not v.meta["val"].is_contiguous() for v in (dy, h)):
-                return None
-            return (dy, h, approximate(2))
-        if producer.target is GELU:
-            h = producer.args[0]
-            if not isinstance(h, fx.Node) or approximate(1) not in float8_cast.APPROXIMATIONS:
-                return None
-            return (h, approximate(1)) if h.meta["val"].is_contiguous() else None
-        pieces, dim = producer.args[0], producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("dim", 0)
-        if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
-            return None
-        vals = [p.meta["val"] if isinstance(p, fx.Node) else None for p in pieces]
-        if any(v is None or v.shape != vals[0].shape or v.dtype != vals[0].dtype or v.stride(-1) != 1 for v in vals):
-            return None
-        return (list(pieces),)
-
-    def fused_column_sums(self, t: fx.Node, dtype: torch.dtype) -> None:
-        """If a bias gradient sums ``t``'s columns, ``t``'s rowwise cast and those sums in one
-        read of ``t`` (``fsg::rowwise_fp8``)."""
-        val = t.meta["val"]
-        if dtype != float8_cast.E4M3 or val.dim() != 2 or not val.is_contiguous() or not self.column_sums(t):
-            return
-        with self.graph.inserting_before(t.next):
-            fused = self.call(ROWWISE_FP8, (t,))
-            q, inv, colsum = (self.item(fused, i) for i in range(3))
-        self.casts[(t, False, dtype)], self.scales[(t, False, dtype)] = q, inv
-        self.read_column_sums(t, colsum)
-
-    @staticmethod
-    def column_sums(t: fx.Node) -> list[fx.Node]:
-        """The users of 2-D ``t`` that sum its columns (``sum(t, [0])``: a bias gradient)."""
-
-        def sums_columns(user: fx.Node) -> bool:
-            dims = user.args[1] if len(user.args) > 1 else None
-            return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None
-
-        return [user for user in t.users if sums_columns(user)]
-
-    def read_column_sums(self, t: fx.Node, colsum: fx.Node) -> None:
-        """Each ``sum(t, [0])`` becomes the fused op's float32 ``colsum`` in its own dtype."""
-        for user in self.column_sums(t):
-            with self.graph.inserting_before(user):
-                out = self.call(aten._to_copy.default, (colsum,), {"dtype": user.meta["val"].dtype})
-                if user.meta["val"].dim() == 2:  # keepdim
-                    out = self.call(aten.view.default, (out, list(user.meta["val"].shape)))
-            user.replace_all_uses_with(out)
-            self.graph.erase_node(user)
 
     def item(self, node: fx.Node, i: int) -> fx.Node:
         """``node[i]`` of an op that returns a tuple."""

@@ -1,0 +1,184 @@
+"""Where the float8 pass computes a rowwise cast in one kernel with what surrounds it
+(``kernels/float8_cast.py``'s ops), instead of leaving each cast to Inductor as its own
+reductions over the tensor.
+
+- A rowwise operand whose producer is in ``FUSED_PRODUCERS`` (a GELU gradient, a GELU, a
+  concatenation of row pieces): the producer, its cast and, where a bias gradient sums the
+  tensor, its column sums become one op.
+- Any other rowwise operand a bias gradient sums (the residual stream's gradient): its cast
+  and column sums become one op (``fsg::rowwise_fp8``).
+- Either op also returns the tensor's column maxima of ``|t|`` where a grad-weight matmul reads
+  ``t`` transposed in FP8 (``Float8(grad_weight="fp8")``): the transposed cast's scales, so that
+  cast reads ``t`` once, with no column reduction of its own.
+
+Each result equals the unfused graph's bit for bit in its maxima and to rounding in its sums
+(``tests/test_float8.py``). The flags below turn each fusion off (``benchmarks/gpt.py``'s A/B
+implementations; the tests compare fused and unfused steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from fsg._src.kernels import float8_cast
+
+aten = torch.ops.aten
+_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+GELU, GELU_BACKWARD, CAT, SUM_DIM = (
+    aten.gelu.default,
+    aten.gelu_backward.default,
+    aten.cat.default,
+    aten.sum.dim_IntList,
+)
+FUSED_OPS = {
+    GELU_BACKWARD: torch.ops.fsg.gelu_backward_fp8.default,
+    GELU: torch.ops.fsg.gelu_fp8.default,
+    CAT: torch.ops.fsg.cat_rowwise_fp8.default,
+}
+ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
+# what each op returns, by name (g: the producer's output; colamax: [0] unless asked)
+OUTPUTS = {
+    FUSED_OPS[GELU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
+    FUSED_OPS[GELU]: ("g", "q", "inv", "colamax"),
+    FUSED_OPS[CAT]: ("g", "q", "inv", "colsum", "colamax"),
+    ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
+}
+# a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
+FUSE_PRODUCERS = True
+FUSED_PRODUCERS = frozenset(FUSED_OPS)
+# any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
+# against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
+FUSE_COLUMN_SUMS = True
+# the column maxima of a fused op's tensor that a grad-weight reads transposed in FP8
+FUSE_COLUMN_AMAX = True
+
+
+def rows_base(t: fx.Node) -> fx.Node:
+    """The tensor whose rows ``t``'s are: up through the flattening views that keep the row
+    width, as far as the tensor viewed is contiguous (so row ``i`` of each is the same
+    memory). A fused op's column maxima, keyed by this tensor, serve every such view."""
+    while t.op == "call_function" and t.target in _FLATTENS and isinstance(src := t.args[0], fx.Node):
+        val, src_val = t.meta["val"], src.meta["val"]
+        if src_val.dim() < 1 or src_val.shape[-1] != val.shape[-1] or not src_val.is_contiguous():
+            break
+        t = src
+    return t
+
+
+def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
+    """Computes ``t``'s row-major rowwise cast (``q.casts[(t, False, dtype)]``) in a fused op
+    where one applies; leaves it unset otherwise (the generic cast follows)."""
+    if dtype != float8_cast.E4M3:
+        return
+    if FUSE_PRODUCERS:
+        fused_producer(q, t, dtype)
+    if (t, False, dtype) not in q.casts and FUSE_COLUMN_SUMS:
+        fused_column_sums(q, t, dtype)
+
+
+def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
+    """If ``t`` (its rows flattened to 2-D) is the output of an op ``kernels/float8_cast.py``
+    fuses with the cast (``FUSED_OPS``: a GELU gradient, a GELU, a concatenation along the
+    rows), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
+    sums in one kernel: the op becomes the fused op, whose copy and inverse scales are ``t``'s
+    cast, and each ``sum(t, [0])`` reads the fused column sums."""
+    producer = t
+    while producer.op == "call_function" and producer.target in _FLATTENS:
+        producer = producer.args[0]
+    if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS:
+        return
+    g_val, t_val = producer.meta["val"], t.meta["val"]
+    if g_val.dim() < 2 or t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1]:
+        return
+    if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
+        return
+    args = fused_args(producer)
+    if args is None:
+        return
+    column_amax = FUSE_COLUMN_AMAX and rows_base(t) is producer and producer in q.flipped
+    with q.graph.inserting_before(producer.next):
+        fused = q.call(FUSED_OPS[producer.target], (*args, column_amax))
+        out = outputs(q, fused)
+        producer.replace_all_uses_with(out["g"])
+        q.graph.erase_node(producer)
+    rows = out["g"] if t is producer else t  # a 2-D producer is t itself: its readers now read g
+    for key in {(t, False, dtype), (rows, False, dtype)}:
+        q.casts[key], q.scales[key] = out["q"], out["inv"]
+    if "colsum" in out:
+        read_column_sums(q, rows, out["colsum"])
+    if column_amax:
+        q.column_amax[out["g"]] = out["colamax"]
+
+
+def fused_args(producer: fx.Node) -> tuple | None:
+    """The fused op's arguments for ``producer`` (``FUSED_OPS``; the column-amax flag
+    follows), or ``None`` where the kernel does not cover it."""
+
+    def approximate(i: int) -> str:
+        return producer.kwargs.get("approximate", producer.args[i] if len(producer.args) > i else "none")
+
+    shape = producer.meta["val"].shape
+    if producer.target is GELU_BACKWARD:
+        dy, h = producer.args[:2]
+        if not (isinstance(dy, fx.Node) and isinstance(h, fx.Node)) or approximate(2) not in float8_cast.APPROXIMATIONS:
+            return None
+        if any(v.meta["val"].shape != shape or not v.meta["val"].is_contiguous() for v in (dy, h)):
+            return None
+        return (dy, h, approximate(2))
+    if producer.target is GELU:
+        h = producer.args[0]
+        if not isinstance(h, fx.Node) or approximate(1) not in float8_cast.APPROXIMATIONS:
+            return None
+        return (h, approximate(1)) if h.meta["val"].is_contiguous() else None
+    pieces, dim = producer.args[0], producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("dim", 0)
+    if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
+        return None
+    vals = [p.meta["val"] if isinstance(p, fx.Node) else None for p in pieces]
+    if any(v is None or v.shape != vals[0].shape or v.dtype != vals[0].dtype or v.stride(-1) != 1 for v in vals):
+        return None
+    return (list(pieces),)
+
+
+def fused_column_sums(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
+    """If a bias gradient sums ``t``'s columns, ``t``'s rowwise cast and those sums in one
+    read of ``t`` (``fsg::rowwise_fp8``)."""
+    val = t.meta["val"]
+    if val.dim() != 2 or not val.is_contiguous() or not column_sums(t):
+        return
+    base = rows_base(t)
+    column_amax = FUSE_COLUMN_AMAX and base in q.flipped
+    with q.graph.inserting_before(t.next):
+        out = outputs(q, q.call(ROWWISE_FP8, (t, column_amax)))
+    q.casts[(t, False, dtype)], q.scales[(t, False, dtype)] = out["q"], out["inv"]
+    read_column_sums(q, t, out["colsum"])
+    if column_amax:
+        q.column_amax[base] = out["colamax"]
+
+
+def outputs(q: Any, fused: fx.Node) -> dict[str, fx.Node]:
+    """A fused op's outputs by name (``OUTPUTS``)."""
+    return {name: q.item(fused, i) for i, name in enumerate(OUTPUTS[fused.target])}
+
+
+def column_sums(t: fx.Node) -> list[fx.Node]:
+    """The users of 2-D ``t`` that sum its columns (``sum(t, [0])``: a bias gradient)."""
+
+    def sums_columns(user: fx.Node) -> bool:
+        dims = user.args[1] if len(user.args) > 1 else None
+        return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None
+
+    return [user for user in t.users if sums_columns(user)]
+
+
+def read_column_sums(q: Any, t: fx.Node, colsum: fx.Node) -> None:
+    """Each ``sum(t, [0])`` becomes the fused op's float32 ``colsum`` in its own dtype."""
+    for user in column_sums(t):
+        with q.graph.inserting_before(user):
+            out = q.call(aten._to_copy.default, (colsum,), {"dtype": user.meta["val"].dtype})
+            if user.meta["val"].dim() == 2:  # keepdim
+                out = q.call(aten.view.default, (out, list(user.meta["val"].shape)))
+        user.replace_all_uses_with(out)
+        q.graph.erase_node(user)
