@@ -41,7 +41,7 @@ from fsg._src.kernels._common import RowTiling, use_triton
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import E4M3 as E4M3
 from fsg._src.kernels.float8_cast_kernel import EPS as EPS
-from fsg._src.kernels.float8_cast_kernel import launch, tiling
+from fsg._src.kernels.float8_cast_kernel import AMAX_ROWS, launch, tiling
 
 
 def rowwise_fp8_reference(g, column_amax: bool = False, fp8_dtype: torch.dtype = E4M3):
@@ -85,8 +85,8 @@ def _outputs(M: int, N: int, device, t: RowTiling, colsum: bool, column_amax: bo
     """The FP8 copy, the inverse scales and the column-sum and column-amax partials (or ``None``)."""
     f32 = {"dtype": torch.float32, "device": device}
     q, inv = torch.empty((M, N), dtype=E4M3, device=device), torch.empty((M, 1), **f32)
-    parts = [torch.empty((t.programs, N), **f32) if on else None for on in (colsum, column_amax)]
-    return q, inv, *parts
+    colsum_part = torch.empty((t.programs, N), **f32) if colsum else None
+    return q, inv, colsum_part, torch.zeros((min(AMAX_ROWS, t.programs), N), **f32) if column_amax else None
 
 
 def _column_amax(part: torch.Tensor | None, N: int, device) -> torch.Tensor:
