@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
+from fsg._src.kernels.float8_cast_kernel import AMAX_ROWS, launch, tiling
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import E4M3 as E4M3
 from fsg._src.kernels.float8_cast_kernel import EPS as EPS
-from fsg._src.kernels.float8_cast_kernel import AMAX_ROWS, launch, tiling
 
 
 def rowwise_fp8_reference(g, column_amax: bool = False, fp8_dtype: torch.dtype = E4M3):
