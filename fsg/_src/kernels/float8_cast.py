@@ -25,7 +25,9 @@ the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). O
 
 Each op can also return the column maxima of ``|g|`` (``column_amax=True``): the scales of
 ``g``'s transposed cast, which a grad-weight matmul in FP8 reads (``Float8(grad_weight="fp8")``),
-so that cast needs no column reduction of its own over ``g``.
+so that cast needs no column reduction of its own over ``g``. The pass does not ask for them by
+default: measured on the H200, they cost the kernel more than the Inductor column reductions
+they replace (``passes/float8_fuse.py``'s ``FUSE_COLUMN_AMAX``).
 
 The quantities equal the unfused graph's (``Quantizer.rowwise_operand``): the row maxima,
 the column maxima and the column sums are of the rows rounded to their dtype,

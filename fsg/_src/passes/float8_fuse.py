@@ -7,9 +7,10 @@ reductions over the tensor.
   tensor, its column sums become one op.
 - Any other rowwise operand a bias gradient sums (the residual stream's gradient): its cast
   and column sums become one op (``fsg::rowwise_fp8``).
-- Either op also returns the tensor's column maxima of ``|t|`` where a grad-weight matmul reads
-  ``t`` transposed in FP8 (``Float8(grad_weight="fp8")``): the transposed cast's scales, so that
-  cast reads ``t`` once, with no column reduction of its own.
+- With ``FUSE_COLUMN_AMAX`` (off: measured slower, below), either op also returns the
+  tensor's column maxima of ``|t|`` where a grad-weight matmul reads ``t`` transposed in FP8
+  (``Float8(grad_weight="fp8")``): the transposed cast's scales, so that cast needs no column
+  reduction of its own.
 
 Each result equals the unfused graph's bit for bit in its maxima and to rounding in its sums
 (``tests/test_float8.py``). The flags below turn each fusion off (``benchmarks/gpt.py``'s A/B
@@ -52,8 +53,11 @@ FUSED_PRODUCERS = frozenset(FUSED_OPS)
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
 FUSE_COLUMN_SUMS = True
-# the column maxima of a fused op's tensor that a grad-weight reads transposed in FP8
-FUSE_COLUMN_AMAX = True
+# the column maxima of a fused op's tensor that a grad-weight reads transposed in FP8: measured
+# slower, so off (H200, 2026-12-03, fsg-fp8-row-gw against -nocolamax in one run: 80.90 against
+# 79.83 ms at GPT-2 355M, 200.85 against 199.67 ms at 1.3B; the kernel's maxima, folded by
+# atomic max or stored as a partial row per program, cost it more than Inductor's reductions)
+FUSE_COLUMN_AMAX = False
 
 
 def rows_base(t: fx.Node) -> fx.Node:
