@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from subprocess import PIPE
 
+from _common import byte_windows, torchao_float8
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 64)}
 B1, B2, WD, EPS = 0.9, 0.95, 0.1, 1e-8
@@ -73,13 +75,8 @@ def stdlib_bytes(limit: int) -> bytes:
 
 
 def batches(steps: int, batch: int, seq: int, device: str):
-    import torch
-
-    tokens = torch.frombuffer(bytearray(stdlib_bytes(64 << 20)), dtype=torch.uint8).long()
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(tokens) - seq - 1, (steps, batch), generator=g)
-    windows = tokens[starts[..., None] + torch.arange(seq + 1)]  # [steps, B, T + 1]
-    return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
+    """The training batches: windows of Python's standard library sources."""
+    return byte_windows(stdlib_bytes(64 << 20), steps, batch, seq, seed=0, device=device)
 
 
 def heldout_batches(n: int, batch: int, seq: int, device: str):
@@ -92,11 +89,7 @@ def heldout_batches(n: int, batch: int, seq: int, device: str):
         size += len(out[-1])
         if size >= 16 << 20:
             break
-    tokens = torch.frombuffer(bytearray(b"".join(out)), dtype=torch.uint8).long()
-    g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(tokens) - seq - 1, (n, batch), generator=g)
-    windows = tokens[starts[..., None] + torch.arange(seq + 1)]
-    return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
+    return byte_windows(b"".join(out), n, batch, seq, seed=1, device=device)
 
 
 def evaluate(weights: dict, cfg, data, device: str) -> float:
@@ -136,13 +129,7 @@ def run(impl: str, args) -> dict:
 
     if impl.startswith("compile"):
         if impl != "compile":
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            recipe = {"compile-fp8": "tensorwise", "compile-fp8-row": "rowwise"}.get(impl, "rowwise_with_gw_hp")
-            convert_to_float8_training(
-                model, config=Float8LinearConfig.from_recipe_name(recipe),
-                module_filter_fn=lambda m, fqn: fqn != "lm_head" and m.in_features % 16 == 0 and m.out_features % 16 == 0,
-            )  # fmt: skip
+            torchao_float8(model, impl)
 
         def loss_of(x, y):
             with torch.autocast(dev, dtype=torch.bfloat16):

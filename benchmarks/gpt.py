@@ -67,6 +67,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import torchao_float8
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
@@ -123,13 +125,7 @@ def run_torch(impl: str, args) -> dict:
 
     elif impl.startswith("compile"):
         if impl in ("compile-fp8", "compile-fp8-row"):
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            def fp8_filter(module, fqn):
-                return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
-
-            config = Float8LinearConfig.from_recipe_name("rowwise") if impl.endswith("-row") else Float8LinearConfig()
-            convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
+            torchao_float8(model, impl)
 
         def loss_of(x, y):
             with torch.autocast(dev, dtype=torch.bfloat16):
