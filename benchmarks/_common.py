@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # torchao's float8 training recipes the baselines may run, by implementation name
 TORCHAO_RECIPES = {
     "compile-fp8": "tensorwise",
@@ -35,3 +37,17 @@ def byte_windows(data: bytes, n: int, batch: int, seq: int, seed: int, device: s
     starts = torch.randint(0, len(tokens) - seq - 1, (n, batch), generator=g)
     windows = tokens[starts[..., None] + torch.arange(seq + 1)]  # [n, B, T + 1]
     return [(w[:, :-1].to(device), w[:, 1:].to(device)) for w in windows]
+
+
+def profile_table(step, sync, path: Path, steps: int = 3) -> None:
+    """A CUDA-time table of ``steps`` more calls of ``step(i)`` (torch.profiler), top kernels
+    first, written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        sync()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{steps} steps\n{table}\n")

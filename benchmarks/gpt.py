@@ -67,7 +67,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import torchao_float8
+from _common import profile_table, torchao_float8
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
@@ -236,7 +236,7 @@ def run_torch(impl: str, args) -> dict:
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     if args.profile:
-        _profile(step, sync, Path(f"{args.profile}.{args.model}.{impl}.txt"))
+        profile_table(step, sync, Path(f"{args.profile}.{args.model}.{impl}.txt"))
     return {
         "ms": ms,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -249,19 +249,6 @@ def run_torch(impl: str, args) -> dict:
         "n_params": n_params,
         "versions": f"torch {torch.__version__}",
     }
-
-
-def _profile(step, sync, path: Path, steps: int = 3) -> None:
-    """A CUDA-time table of ``steps`` more steps (torch.profiler), top kernels first, to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(i)
-        sync()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{steps} steps\n{table}\n")
 
 
 def run_jax(args) -> dict:

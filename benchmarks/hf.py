@@ -16,7 +16,9 @@ Implementations (--impl), each in its own process:
   compile-ro  the same in mode="reduce-overhead" (torch.compile's own CUDA graphs of the
             forward and backward), the strongest setup a user could pick
   fsg       fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(...), precision=bf16 compute),
-            every default on (fused AdamW, CUDA-graph replay)
+            every default on (fused AdamW, CUDA-graph replay, the model's cross-entropy traced
+            fused with its output projection)
+  fsg-unfused  the same with fused_loss=False: the loss traced as the model writes it
 Step time: mean over --steps timed steps after --warmup (the first compiles). Peak memory:
 torch.cuda.max_memory_allocated over the whole process.
 """
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import profile_table
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, B1, B2, WD, EPS = 3e-4, 0.9, 0.95, 0.1, 1e-8
@@ -83,7 +87,7 @@ def run(kind: str, impl: str, args) -> dict:
 
         train = fsg.compile_step(
             loss_fn, optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16),
+            precision=fsg.Policy(compute=torch.bfloat16), fused_loss=False if impl == "fsg-unfused" else None,
         )  # fmt: skip
         state = train.init(fsg.params(model))
         holder = [state]
@@ -103,6 +107,8 @@ def run(kind: str, impl: str, args) -> dict:
         loss = step(args.warmup + i)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    if args.profile:
+        profile_table(step, torch.cuda.synchronize, Path(f"{args.profile}.{kind}.{impl}.txt"))
     n_params = sum(p.numel() for p in model.parameters())
     return {
         "ms": ms,
@@ -124,6 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for the baseline (default: its default)")
+    parser.add_argument("--profile", help="a path prefix: write a CUDA-time table of 3 more steps per run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -12,25 +12,25 @@ from tests.models import hf_models
 EPS = 1e-6
 
 
-def check_hf(kind: str, axes: dict, preset: str) -> int:
+def check_hf(kind: str, axes: dict, preset: str, **options) -> int:
     """Sharded == unsharded for two steps of ``kind``; returns how many of its parameters the
-    preset shards over a ``tp`` axis."""
+    preset shards over a ``tp`` axis. ``options`` go to both ``compile_step`` calls."""
     model, mesh, rules = hf_models.make(kind), fsg.testing.mesh(axes), preset_rules(preset)
     fsg.testing.assert_sharded_matches_unsharded(
         hf_models.loss_fn(model), fsg.params(model), hf_models.batches(2, kind=kind), mesh,
         optimizer=fsg.optim.adamw(1e-3, eps=EPS), param_sharding=rules, batch_sharding=fsg.P("dp"),
-        rtol=1e-4, atol=1e-5,
+        rtol=1e-4, atol=1e-5, **options,
     )  # fmt: skip
     return sum("tp" in str(rules.spec_for(name, tuple(p.shape), mesh)) for name, p in fsg.params(model).items())
 
 
-def check_hf_corpus(kinds: tuple, axes: dict, preset: str) -> dict:
+def check_hf_corpus(kinds: tuple, axes: dict, preset: str, **options) -> dict:
     """``check_hf`` for each of ``kinds``: kind -> ("ok" or the error, parameters sharded over
     tp). Every rank raises alike: the comparison runs on gathered values."""
     results = {}
     for kind in kinds:
         try:
-            results[kind] = ("ok", check_hf(kind, axes, preset))
+            results[kind] = ("ok", check_hf(kind, axes, preset, **options))
         except Exception as e:  # noqa: BLE001 (reported by kind)
             results[kind] = (f"{type(e).__name__}: {str(e)[:1500]}", 0)
     return results

@@ -48,6 +48,17 @@ def test_tp_named_families_under_fsdp_and_tensor_parallel_match_unsharded(ranks)
     assert all(sharded >= 4 for _, sharded in results.values()), results  # per layer: attention, MLP
 
 
+@pytest.mark.parametrize("mesh,preset", [({"dp": 2}, "fsdp"), ({"dp": 2, "tp": 2}, "fsdp_tp")])
+def test_the_fused_loss_on_a_mesh_matches_unsharded(ranks, mesh, preset):
+    """``fused_loss=True`` (the default on CUDA) on gloo ranks: the cross-entropy of GPT-2's tied
+    head and Llama's head traced as ``linear_cross_entropy`` runs sharded (its DTensor rule:
+    tokens sharded, or everything replicated, e.g. a vocabulary-sharded head gathered) and
+    equals the unsharded fused step."""
+    world = 4 if "tp" in mesh else 2
+    results = ranks(world).run(model_workers.check_hf_corpus, ("gpt2", "llama"), mesh, preset, fused_loss=True)[0]
+    assert {k: error for k, (error, _) in results.items() if error != "ok"} == {}
+
+
 def test_a_write_into_a_slice_is_sharded_not_gathered(ranks):
     """T5's and BART's ``shift_right`` (a write into a slice) on a mesh: torch's
     functionalization turns it into ``aten.copy``, which DTensor has no rule for; stage 1

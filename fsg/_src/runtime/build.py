@@ -24,6 +24,7 @@ from fsg._src.passes import fuse_adamw as fusion
 from fsg._src.precision import Policy
 from fsg._src.runtime import validate
 from fsg._src.sharding import op_support, placement, spmd
+from fsg._src.trace import fused_loss as fused_loss_lib
 from fsg._src.trace import purity
 from fsg._src.trace import tracing as trace_lib
 
@@ -54,6 +55,7 @@ class Builder:
         fused_optimizer: bool | None,
         bucket_mb: float | None,
         skip: bool | None = None,
+        fused_loss: bool | None = None,
     ):
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -65,6 +67,7 @@ class Builder:
         self._fused_optimizer = fused_optimizer
         self._bucket_mb = bucket_mb
         self._skip = skip
+        self._fused_loss = fused_loss
 
     def build(self, state: Any, batch: Any) -> Built:
         """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes, ``passes/pipeline.py``)
@@ -117,6 +120,7 @@ class Builder:
             accum_steps=self._accum_steps,
             mark_grads=mark_grads,
             skip=self._skip_now,
+            fused_loss=fused_loss_lib.wanted(self._fused_loss, state),
         )
         n = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n, time.perf_counter() - t0)
@@ -149,6 +153,7 @@ class Builder:
                 source_lines=True,  # stage 2's errors name the user's line
                 decompositions=op_support.mesh_decompositions(),  # only ops with verified rules reach stage 2
                 skip=self._skip_now,
+                fused_loss=fused_loss_lib.wanted(self._fused_loss, state),
             )
         n_global = len(traced.graph_module.graph.nodes)
         log.info("fsg: stage 1: traced the step (%d graph nodes) in %.1f s", n_global, time.perf_counter() - t0)

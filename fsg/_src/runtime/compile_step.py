@@ -29,6 +29,7 @@ def compile_step(
     verify: bool = False,
     skip_nonfinite: bool | SkipNonFinite | None = None,
     check_replicas: int | None = None,
+    fused_loss: bool | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -94,6 +95,13 @@ def compile_step(
         ranks holding the same shard hold different bytes, and those ranks (silent data
         corruption, replicas drifting apart). ``None`` or 0 (default): never. The check is
         ``fsg.check_replicas(state)``; its cost is in docs/resilience.md#replica-checks.
+      fused_loss: trace ``F.cross_entropy`` of a bias-free linear layer's logits (in float32,
+        as Hugging Face's losses compute it, or under CUDA autocast) as
+        ``fsg.nn.linear_cross_entropy``: the logits are never held whole and the loss makes
+        one pass over each chunk of them (docs/compiling.md#fused-loss): the same loss and
+        gradients up to float32 rounding. ``None`` (default): when the state is on CUDA, where
+        the fused kernels run (on the CPU the fused op runs its reference and gains nothing);
+        ``True``: always; ``False``: never.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -112,6 +120,7 @@ def compile_step(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
         precision=precision, accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
         bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
+        fused_loss=fused_loss,
     )  # fmt: skip
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

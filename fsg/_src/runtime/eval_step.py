@@ -28,6 +28,7 @@ from fsg._src.runtime.lowered import Lowered
 from fsg._src.runtime.signature import Signature, describe_change, structure_error
 from fsg._src.sharding import op_support, placement, spmd
 from fsg._src.trace import evaluation
+from fsg._src.trace import fused_loss as fused_loss_lib
 from fsg._src.train_state import TrainState
 
 
@@ -52,6 +53,7 @@ class EvalStep:
         precision: Policy | None,
         backend: str,
         strict: bool,
+        fused_loss: bool | None = None,
     ):
         backend_lib.check_backend(backend)
         self._fn = fn
@@ -64,6 +66,7 @@ class EvalStep:
         self._precision = check_policy(precision or Policy())
         self._backend = backend
         self._strict = strict
+        self._fused_loss = fused_loss
         self._cache: dict[Signature, _Built] = {}
         self._last: Signature | None = None
 
@@ -141,7 +144,8 @@ class EvalStep:
         """Stage 1, and stage 2 on a mesh."""
         self._check_specs(state, batch)
         if self._mesh is None:
-            traced = evaluation.trace_eval(self._fn, state, batch, precision=self._precision)
+            fuse = fused_loss_lib.wanted(self._fused_loss, state)
+            traced = evaluation.trace_eval(self._fn, state, batch, precision=self._precision, fused_loss=fuse)
             gm = traced.step.graph_module
             return _Built(traced, gm, None, None, {"traced": gm})
         inputs = evaluation.eval_inputs(state)
@@ -157,7 +161,7 @@ class EvalStep:
             traced = evaluation.trace_eval(
                 self._fn, tree.unflatten(state_def, fakes[:n]), tree.unflatten(batch_def, fakes[n:]),
                 precision=self._precision, mark_uses=True, source_lines=True,
-                decompositions=op_support.mesh_decompositions(),
+                decompositions=op_support.mesh_decompositions(), fused_loss=fused_loss_lib.wanted(self._fused_loss, state),
             )  # fmt: skip
         local_inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
             batch_leaves, plan.batch_placements, self._mesh
@@ -207,6 +211,7 @@ def compile_eval(
     precision: Policy | None = None,
     backend: str = "inductor",
     strict: bool = False,
+    fused_loss: bool | None = None,
 ) -> EvalStep:
     """Compiles an evaluation step: ``fn`` forward only, its modules in eval mode.
 
@@ -226,6 +231,7 @@ def compile_eval(
       precision: an ``fsg.Policy``; ``fn`` computes in its compute dtype.
       backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"``.
       strict: raise ``RecompileError`` instead of recompiling when the signature changes.
+      fused_loss: as ``compile_step``'s (without gradients: the loss of each chunk of logits).
 
     Returns:
       An ``EvalStep``: ``metrics = ev(state, batch)`` reads ``state.params``,
@@ -248,5 +254,5 @@ def compile_eval(
         raise TypeError(f"compile_eval: mesh must be an fsg.Mesh or None, got {type(mesh).__name__}")
     return EvalStep(
         fn, mesh, param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
-        backend=backend, strict=strict,
+        backend=backend, strict=strict, fused_loss=fused_loss,
     )  # fmt: skip

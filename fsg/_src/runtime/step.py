@@ -68,6 +68,7 @@ class Step:
         verify: bool = False,
         skip_nonfinite: bool | nonfinite.SkipNonFinite | None = None,
         check_replicas: int | None = None,
+        fused_loss: bool | None = None,
     ):
         backend_lib.check_backend(backend)
         # what variant() rebuilds the step from
@@ -76,7 +77,7 @@ class Step:
             loss_fn=loss_fn, optimizer=optimizer, backend=backend, donate=donate, strict=strict, mesh=mesh,
             param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
             accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph, bucket_mb=bucket_mb,
-            skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
+            skip_nonfinite=skip_nonfinite, check_replicas=check_replicas, fused_loss=fused_loss,
         )  # fmt: skip
         skip, skip_policy = nonfinite.resolve(skip_nonfinite)
         self._watchdog = nonfinite.Watchdog(skip_policy)
@@ -104,6 +105,7 @@ class Step:
             fused_optimizer=fused_optimizer,
             bucket_mb=bucket_mb,
             skip=skip,
+            fused_loss=fused_loss,
         )
         self._backend = backend
         self._donate = donate

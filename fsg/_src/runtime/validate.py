@@ -53,7 +53,7 @@ def check_compile_args(loss_fn: Any, mesh: Any, optimizer: Any, options: dict[st
         raise ArgumentError(f"compile_step(backend=...): unknown backend {options['backend']!r}; choose one of {BACKENDS}")
     for name in ("donate", "strict", "verify"):
         checks.flag(f"compile_step({name}=...)", options[name])
-    for name in ("fused_optimizer", "cuda_graph"):
+    for name in ("fused_optimizer", "cuda_graph", "fused_loss"):
         checks.flag(f"compile_step({name}=...)", options[name], optional=True)
     if options["bucket_mb"] is not None:
         checks.real("compile_step(bucket_mb=...)", options["bucket_mb"], low=0.0, fix="Pass None or 0 for no buckets")

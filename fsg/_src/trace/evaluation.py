@@ -9,6 +9,7 @@ then drops, so the state is never written.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ from fsg._src import functional, graph_facts, tree
 from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError
 from fsg._src.precision import Policy
 from fsg._src.trace import markers, purity, random
+from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.trace.tracing import TracedStep
 from fsg._src.train_state import TrainState
 
@@ -79,12 +81,13 @@ def trace_eval(
     mark_uses: bool = False,
     source_lines: bool = False,
     decompositions: dict[Any, Callable[..., Any]] | None = None,
+    fused_loss: bool = False,
 ) -> TracedEval:
     """Stage 1: traces ``fn`` on ``eval_inputs(state)`` and ``batch`` into a ``TracedEval``.
 
     Params are cast to the compute dtype; ``mark_uses`` marks each read of a parameter for
     stage 2 (FSDP gathers). Random ops draw from ``state.rng`` as the train step's would (a
-    step's key, not advanced: evaluating twice draws the same).
+    step's key, not advanced: evaluating twice draws the same). ``fused_loss``: as ``trace``'s.
     """
     inputs = eval_inputs(state)
     state_leaves, state_def = tree.flatten(inputs)
@@ -98,7 +101,8 @@ def trace_eval(
         mark = markers.param_use if mark_uses else (lambda p, i: p)
         used = [mark(precision.read_param(p), i) if p.is_floating_point() else p for i, p in enumerate(leaves)]
         buffers = tree.tree_map(torch.clone, s.buffers)  # writes land in copies; unwritten ones are dropped
-        with functional.training(False), random.keyed(s.rng), precision.region(leaves[0].device):
+        fusing = FusedLoss() if fused_loss else contextlib.nullcontext()
+        with functional.training(False), random.keyed(s.rng), precision.region(leaves[0].device), fusing:
             metrics, single = _call(
                 fn,
                 tree.unflatten(params_def, used),

@@ -9,6 +9,8 @@ returns only the metrics; without, it returns the new state leaves, then the met
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -20,9 +22,11 @@ from fsg._src.optim._base import GradientTransformation, apply_updates, global_n
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
 from fsg._src.trace import epilogue, markers, purity, random, resilience
+from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
+log = logging.getLogger("fsg")
 
 
 class TracedStep(NamedTuple):
@@ -96,13 +100,14 @@ def check_accumulation(batch: Any, accum_steps: int) -> None:
             )
 
 
-def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses, scale):
+def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses, scale, fusing):
     with torch.enable_grad():
         # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
         # after the cast to the compute dtype, so that gathers move the smaller dtype.
         mark = markers.param_use if mark_uses else (lambda p, i: p)
         used = [mark(precision.read_param(p), i) if p.requires_grad else p for i, p in enumerate(inputs)]
-        with precision.region(inputs[0].device):  # torch.autocast under Policy(autocast=True)
+        # torch.autocast under Policy(autocast=True); the loss of a linear's logits fused (fused_loss.py)
+        with precision.region(inputs[0].device), fusing or contextlib.nullcontext():
             loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
@@ -120,6 +125,7 @@ def train_step(
     mark_uses: bool = False,
     mark_grads: bool = False,
     skip: bool = False,
+    fusing: FusedLoss | None = None,
 ) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """One train step as a pure function of tensors: what stage 1 traces.
 
@@ -128,6 +134,7 @@ def train_step(
     gradients, loss and aux are means over that many microbatches. With ``skip`` (always
     with a loss scale) a non-finite step leaves params, optimizer state and buffers as they
     were and is counted in ``state.skips`` and ``metrics["skipped"]`` (docs/resilience.md).
+    ``fusing`` (a ``FusedLoss`` mode) traces the cross-entropies of linear layers' logits fused.
     """
     config = precision.loss_scale
     resilience.check_state(state, skip=skip, config=config)
@@ -144,7 +151,9 @@ def train_step(
     loss, aux, sums = None, {}, [None] * len(inputs)
     with random.keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
         for mb in micro:  # unrolled: each microbatch's activations die after its backward
-            mb_loss, mb_aux, mb_grads = _loss_and_grads(loss_fn, inputs, params_def, mb, buffers, precision, mark_uses, scale)
+            mb_loss, mb_aux, mb_grads = _loss_and_grads(
+                loss_fn, inputs, params_def, mb, buffers, precision, mark_uses, scale, fusing
+            )
             loss = mb_loss.float() if loss is None else loss + mb_loss.float()
             aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
             sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
@@ -204,6 +213,7 @@ def trace(
     source_lines: bool = False,
     decompositions: dict[Any, Callable[..., Any]] | None = None,
     skip: bool = False,
+    fused_loss: bool = False,
 ) -> TracedStep:
     """Stage 1: traces one train step on ``state`` and ``batch`` into a ``TracedStep``.
 
@@ -212,12 +222,15 @@ def trace(
     (``markers.strip``) when done. Tracing them costs ~3 ms each, so one device skips them.
     ``source_lines`` records each node's user stack (stage 2 names the line in its errors).
     ``decompositions`` lowers ops while tracing (on a mesh: ``op_support.mesh_decompositions``).
+    ``fused_loss`` traces a cross-entropy of a linear layer's logits as ``linear_cross_entropy``
+    (``fused_loss.py``).
     """
     check_accumulation(batch, accum_steps)
     state_leaves, state_def = tree.flatten(state)
     batch_leaves, batch_def = tree.flatten(batch)
     n_state = len(state_leaves)
     metric_names: list[str] = []
+    fusing = FusedLoss() if fused_loss else None
 
     def flat_step(*flat):
         old_leaves = flat[:n_state]
@@ -231,6 +244,7 @@ def trace(
             mark_uses,
             mark_grads,
             skip,
+            fusing,
         )
         new_leaves, new_def = tree.flatten(new_state)
         if new_def != state_def:
@@ -268,6 +282,10 @@ def trace(
             "loss_fn reads a tensor value on the host or writes to a batch leaf in place; "
             "see the step graph (step.lower(state, batch).as_text()) for the op."
         )
+    if fusing is not None and fusing.rewritten:  # the logits' linear is dead now: drop it before functionalizing
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        log.info("fsg: stage 1: %d cross-entropy loss(es) traced fused with their output projection", fusing.rewritten)
     gm = epilogue.functionalize(gm, donate=donate, decompositions=decompositions)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)

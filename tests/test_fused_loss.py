@@ -1,0 +1,200 @@
+"""A cross-entropy of a linear layer's logits traced as ``linear_cross_entropy``
+(``fsg/_src/trace/fused_loss.py``): rewritten exactly where the rewrite computes the same
+loss and gradients, left as written everywhere else, over hypothesis-drawn chains of the ops
+between the linear and the loss."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsg
+from fsg._src.errors import ArgumentError
+from fsg._src.trace.fused_loss import FusedLoss, _leaves_last_dim
+
+# indices of a [B, T, V] tensor's leading dims, and some that touch its last dim
+LEADING = [None, (slice(None), slice(None, -1)), (Ellipsis, slice(1, None), slice(None)), 0, (slice(None), 1),
+           (1, Ellipsis, slice(None)), (slice(None, None, 2),)]  # fmt: skip
+TOUCHING = [(Ellipsis, slice(1, None)), (slice(None), slice(None), 0), (Ellipsis, 0), (0, 0, slice(0, 3))]
+FLATTEN = {
+    "view": lambda x: x.view(-1, x.shape[-1]),
+    "reshape": lambda x: x.reshape(-1, x.shape[-1]),
+    "flatten": lambda x: x.flatten(0, -2),
+    "torch.flatten": lambda x: torch.flatten(x, 0, -2),
+    "contiguous+view": lambda x: x.contiguous().view(-1, x.shape[-1]),
+}
+CASTS = {
+    "none": lambda x: x,
+    "float": lambda x: x.float(),
+    "to": lambda x: x.to(torch.float32),
+    "to(dtype=)": lambda x: x.to(dtype=torch.float32),
+    "to(bfloat16)": lambda x: x.to(torch.bfloat16),
+}
+
+
+@st.composite
+def chains(draw):
+    B, T, D, V = draw(st.integers(2, 3)), draw(st.integers(2, 5)), draw(st.integers(1, 8)), draw(st.integers(2, 12))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    case = dict(
+        shape=(B, T, D, V), dtype=dtype, cast=draw(st.sampled_from(sorted(CASTS))),
+        index=draw(st.sampled_from(LEADING + TOUCHING)), flatten=draw(st.sampled_from(sorted(FLATTEN))),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])), ignored=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        ignore_index=draw(st.sampled_from([-100, 0])), bias=draw(st.booleans()) and draw(st.booleans()),
+        smoothing=draw(st.sampled_from([0.0, 0.0, 0.0, 0.1])), class_weight=draw(st.booleans()) and draw(st.booleans()),
+        cast_first=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+    return case
+
+
+def _run(case, fused: bool):
+    B, T, D, V = case["shape"]
+    g = torch.Generator().manual_seed(case["seed"])
+    h = torch.randn(B, T, D, generator=g).to(case["dtype"]).requires_grad_()
+    w = torch.randn(V, D, generator=g).to(case["dtype"]).requires_grad_()
+    b = torch.randn(V, generator=g).to(case["dtype"]).requires_grad_() if case["bias"] else None
+    mode = FusedLoss()
+    with mode if fused else contextlib.nullcontext():
+        logits = F.linear(h, w, b)
+        if case["cast_first"]:
+            logits = CASTS[case["cast"]](logits)
+        if case["index"] is not None:
+            logits = logits[case["index"]]
+        if logits.dim() >= 2:
+            logits = FLATTEN[case["flatten"]](logits)
+        if not case["cast_first"]:
+            logits = CASTS[case["cast"]](logits)
+        cw = torch.rand(logits.shape[-1], generator=g) + 0.5 if case["class_weight"] else None
+        targets = torch.randint(0, logits.shape[-1], logits.shape[:-1], generator=g)
+        drop = torch.rand(targets.shape, generator=g) < case["ignored"]
+        targets = torch.where(drop, case["ignore_index"], targets)
+        loss = F.cross_entropy(logits.float() if cw is not None else logits, targets, weight=cw,
+                               ignore_index=case["ignore_index"], reduction=case["reduction"],
+                               label_smoothing=case["smoothing"])  # fmt: skip
+    leaves = [t for t in (h, w, b) if t is not None]
+    grads = torch.autograd.grad(loss.sum(), leaves, allow_unused=True)
+    return loss, grads, mode.rewritten, logits
+
+
+def _eligible(case, logits) -> bool:
+    """What the rewrite's rules admit (the module's docstring), from the case alone."""
+    index = case["index"]
+    keeps_last = index is None or index in LEADING
+    fp32_loss = case["dtype"] == torch.float32 or (case["cast"] in ("float", "to", "to(dtype=)"))
+    if case["cast"] == "to(bfloat16)":
+        fp32_loss = False
+    return (keeps_last and logits.dim() == 2 and fp32_loss and not case["bias"] and not case["smoothing"]
+            and case["class_weight"] is False and case["reduction"] in ("mean", "sum"))  # fmt: skip
+
+
+@settings(max_examples=250, deadline=None)
+@given(chains())
+def test_rewritten_exactly_where_it_computes_the_same_loss(case):
+    plain_loss, plain_grads, _, logits = _run(case, fused=False)
+    loss, grads, rewritten, _ = _run(case, fused=True)
+    assert rewritten == int(_eligible(case, logits)), case
+    # the same GEMM in the same dtype: bf16 logits may round differently in a different kernel
+    tol = dict(rtol=1e-5, atol=1e-5) if case["dtype"] == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(loss, plain_loss, equal_nan=True, **tol)
+    assert loss.dtype == plain_loss.dtype
+    for got, want in zip(grads, plain_grads):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_every_target_ignored_gives_torchs_nan_mean_and_zero_gradients():
+    case = dict(shape=(2, 3, 4, 5), dtype=torch.float32, cast="float", index=None, flatten="view", reduction="mean",
+                ignored=1.0, ignore_index=-100, bias=False, smoothing=0.0, class_weight=False, cast_first=True, seed=0)  # fmt: skip
+    loss, grads, rewritten, _ = _run(case, fused=True)
+    assert rewritten == 1 and torch.isnan(loss)
+    assert all(bool((g == 0).all()) for g in grads)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_an_index_said_to_keep_the_last_dim_commutes_with_a_linear(data):
+    """Soundness of ``_leaves_last_dim``: whenever it says yes, ``linear(h)[key] ==
+    linear(h[key])``; and it says yes to every index of the leading dims drawn here."""
+    ndim = data.draw(st.integers(2, 4))
+    shape = data.draw(st.lists(st.integers(1, 4), min_size=ndim, max_size=ndim))
+    h = torch.randn(*shape[:-1], 3)
+    w = torch.randn(shape[-1] + 2, 3)
+
+    entry = st.one_of(
+        st.integers(-1, 0), st.slices(4), st.none(), st.just(Ellipsis),
+        st.just(torch.tensor([0, 0])), st.just(torch.tensor([True])),
+    )  # fmt: skip
+    key = tuple(data.draw(st.lists(entry, min_size=1, max_size=ndim + 1)))
+    logits = F.linear(h, w)
+    try:
+        want = logits[key]
+    except (IndexError, TypeError, ValueError, RuntimeError):
+        return  # not a valid index of this tensor
+    if _leaves_last_dim(key, logits.dim()):
+        torch.testing.assert_close(F.linear(h[key], w), want)
+    if all(e is not Ellipsis for e in key) and len([e for e in key if e is not None]) < ndim:
+        assert _leaves_last_dim(key, logits.dim())  # the last dim is not indexed at all
+
+
+def test_hugging_face_step_traces_the_fused_loss_and_trains_alike():
+    pytest.importorskip("transformers")
+    from tests.models import hf_models
+
+    losses = {}
+    for fused in (True, False):
+        model = hf_models.make("llama")
+        step = fsg.compile_step(hf_models.loss_fn(model), optimizer=fsg.optim.adamw(1e-3), backend="eager",
+                                fused_loss=fused)  # fmt: skip
+        state = step.init(fsg.params(model))
+        batches = hf_models.batches(3, kind="llama")
+        text = step.lower(state, batches[0]).as_text()
+        assert ("linear_cross_entropy" in text) == fused
+        assert ("_log_softmax" in text) != fused  # the logits' loss is gone, not computed twice
+        losses[fused] = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses[fused].append(metrics["loss"])
+    torch.testing.assert_close(torch.stack(losses[True]), torch.stack(losses[False]), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_loss_must_be_a_bool():
+    with pytest.raises(ArgumentError, match="fused_loss"):
+        fsg.compile_step(lambda p, b: p["w"].sum(), optimizer=fsg.optim.sgd(0.1), fused_loss="yes")
+
+
+# The families whose head is a bias-free linear read by a float32 cross-entropy (the others:
+# Gemma 2 soft-caps its logits, Phi's, GPT-J's and BART's heads add a bias, the masked LMs'
+# decoders too, ViT classifies with a biased head)
+FUSED_KINDS = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "falcon", "bloom", "opt", "t5"}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3",
+                                  "gpt_neox", "gptj", "falcon", "bloom", "opt", "bert", "t5", "bart", "vit"])  # fmt: skip
+def test_every_hugging_face_family_gets_the_same_gradients_fused(kind):
+    """One SGD step at lr 1 (the update is the gradient) with and without the rewrite, on each
+    family of the corpus: the same loss and gradients up to float32 rounding, and the rewrite
+    where the family's head and loss admit it."""
+    pytest.importorskip("transformers")
+    from tests.models import hf_models
+
+    out = {}
+    for fused in (True, False):
+        model = hf_models.make(kind)
+        step = fsg.compile_step(hf_models.loss_fn(model), optimizer=fsg.optim.sgd(1.0), backend="eager",
+                                donate=False, fused_loss=fused)  # fmt: skip
+        state, batch = step.init(fsg.params(model)), hf_models.batches(1, kind=kind)[0]
+        new, metrics = step(state, batch)
+        # the update is the gradient, read back to within float32's rounding of the param
+        grads = {n: (state.params[n] - new.params[n], float(state.params[n].abs().max()) * 2**-22) for n in state.params}
+        ops = step.lower(state, batch).op_counts()
+        out[fused] = metrics["loss"], grads, sum(n for op, n in ops.items() if op.startswith("fsg.linear_cross_entropy"))
+    assert out[True][2] == (kind in FUSED_KINDS) and out[False][2] == 0
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
+    # a gradient zero in exact arithmetic (a key projection's bias) is rounding noise on both
+    # sides: tolerances scale with the model's largest gradient, not each tensor's
+    largest = max(float(g.abs().max()) for g, _ in out[False][1].values())
+    for name, (want, rounding) in out[False][1].items():
+        atol = 1e-6 * largest + rounding
+        torch.testing.assert_close(out[True][1][name][0], want, rtol=1e-4, atol=atol, msg=name)
