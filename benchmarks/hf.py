@@ -19,8 +19,6 @@ Implementations (--impl), each in its own process:
             every default on (fused AdamW, CUDA-graph replay, the model's cross-entropy traced
             fused with its output projection)
   fsg-unfused  the same with fused_loss=False: the loss traced as the model writes it
-  fsg-norm-per-tensor  fsg with the grad_norm metric as one reduction per gradient (as before
-            2026-12-03's fourteenth session), for the A/B of the multi-tensor norm
 Step time: mean over --steps timed steps after --warmup (the first compiles). Peak memory:
 torch.cuda.max_memory_allocated over the whole process.
 """
@@ -83,11 +81,6 @@ def run(kind: str, impl: str, args) -> dict:
             return loss.detach().clone() if impl == "compile-ro" else loss
 
     else:
-
-        if impl == "fsg-norm-per-tensor":
-            from fsg._src import _torch_private
-
-            _torch_private.foreach_norms = lambda ts: [torch.sqrt(torch.sum(t.float() * t.float())) for t in ts]
 
         def loss_fn(params, batch):
             return fsg.apply(model, params, input_ids=batch["ids"], labels=batch["ids"]).loss

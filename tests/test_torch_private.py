@@ -231,14 +231,3 @@ def test_default_store_is_none_without_a_process_group():
     import torch.distributed as dist
 
     assert not dist.is_initialized() and _torch_private.default_store() is None
-
-
-def test_foreach_norms_is_a_float32_norm_per_tensor_traced_as_one_op():
-    tensors = [torch.randn(5, dtype=torch.bfloat16), torch.randn(3, 4), torch.zeros(0)]
-    norms = _torch_private.foreach_norms(tensors)
-    assert [n.dtype for n in norms] == [torch.float32] * 3
-    for n, t in zip(norms, tensors):
-        torch.testing.assert_close(n, torch.linalg.vector_norm(t.float()))
-    gm = _torch_private.trace_fake(lambda *ts: _torch_private.foreach_norms(list(ts)), *tensors)
-    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert _torch_private.FOREACH_NORM in ops

@@ -24,12 +24,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsg._src import decompositions as fsg_decompositions
 
-__all__ = [  # fmt: skip
-    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "FOREACH_NORM", "HOST_SYNC_OPS", "OpOverload", "REDUCE_SCATTER",
-    "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "core_decompositions",
-    "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional", "fake_mode",
-    "foreach_norms", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
-    "register_sharding", "return_names", "trace_fake",
+__all__ = [
+    "ALL_GATHER",
+    "ALL_REDUCE",
+    "DATA_DEPENDENT_ERRORS",
+    "HOST_SYNC_OPS",
+    "OpOverload",
+    "REDUCE_SCATTER",
+    "TorchDispatchMode",
+    "WAIT_TENSOR",
+    "aliased_args",
+    "all_decompositions",
+    "arg_names",
+    "core_decompositions",
+    "default_store",
+    "draws_random",
+    "dtensor_has_rule",
+    "dtensor_index_put_rule_is_positional",
+    "fake_mode",
+    "functionalize",
+    "inductor_compile",
+    "is_collective",
+    "is_pure_op",
+    "mutated_args",
+    "register_sharding",
+    "return_names",
+    "trace_fake",
 ]
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
@@ -66,14 +86,6 @@ def is_collective(target: Any) -> bool:
 def is_pure_op(target: Any) -> bool:
     """Whether an FX node target is an aten-style op whose schema mutates none of its inputs."""
     return isinstance(target, OpOverload) and not target._schema.is_mutable
-
-
-FOREACH_NORM = torch.ops.aten._foreach_norm.Scalar  # one multi-tensor kernel on CUDA
-
-
-def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor's 2-norm in float32 (``FOREACH_NORM``, not a reduction kernel per tensor)."""
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def dtensor_has_rule(op: Any) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fsg._src import _torch_private, checks, tree
+from fsg._src import checks, tree
 
 Params = Any
 Updates = Any
@@ -119,9 +119,8 @@ def global_norm(updates: Updates) -> torch.Tensor:
     leaves, _ = tree.flatten(updates)
     if not leaves:
         return torch.zeros(())
-    # one multi-tensor kernel on CUDA (a compiled step runs it as is), not a reduction per leaf
-    norms = _torch_private.foreach_norms(leaves)
-    return torch.sqrt(torch.stack(norms).square().sum())
+    squares = [torch.sum(leaf.float() * leaf.float()) for leaf in leaves]
+    return torch.sqrt(torch.stack(squares).sum())
 
 
 def device_of(params: Params) -> torch.device:

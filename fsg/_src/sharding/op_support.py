@@ -67,7 +67,7 @@ def mesh_decompositions() -> dict[Any, Callable[..., Any]]:
         if isinstance(op, _torch_private.OpOverload) and (op in DISTRUSTED or not _torch_private.dtensor_has_rule(op))
     }
     copies = {op: fn for op, fn in COPIES.items() if not _torch_private.dtensor_has_rule(op)}
-    return {**table, **SHIFTS, **copies, **NORMS}
+    return {**table, **SHIFTS, **copies}
 
 
 # ``x >> k`` and ``x << k``: torch 2.13's DTensor takes ``aten.__rshift__`` / ``__lshift__`` for
@@ -79,18 +79,6 @@ SHIFTS = {
     _aten.__lshift__.Scalar: lambda x, k: _aten.bitwise_left_shift.Tensor_Scalar(x, k),
     _aten.__lshift__.Tensor: lambda x, k: _aten.bitwise_left_shift.Tensor(x, k),
 }
-
-
-def _foreach_norm(tensors: list, ord: Any = 2, dtype: torch.dtype | None = None) -> list:
-    """Each tensor's norm from ops whose rules the op corpus exercises (``sum`` of squares: a
-    partial sum over shards), rather than DTensor's ``_foreach_norm`` rule."""
-    if ord != 2:
-        return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
-    return [torch.sqrt(torch.sum(t.to(dtype or t.dtype) * t.to(dtype or t.dtype))) for t in tensors]
-
-
-# ``fsg.optim.global_norm``'s per-tensor norms (the grad_norm metric, clipping) on a mesh
-NORMS = {_torch_private.FOREACH_NORM: _foreach_norm}
 
 
 def _functional_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
