@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import fsg
 from fsg._src.errors import ArgumentError
 from fsg._src.trace.fused_loss import FusedLoss, _leaves_last_dim
+from tests.models import hf_models
 
 # indices of a [B, T, V] tensor's leading dims, and some that touch its last dim
 LEADING = [None, (slice(None), slice(None, -1)), (Ellipsis, slice(1, None), slice(None)), 0, (slice(None), 1),
@@ -140,7 +141,6 @@ def test_an_index_said_to_keep_the_last_dim_commutes_with_a_linear(data):
 
 def test_hugging_face_step_traces_the_fused_loss_and_trains_alike():
     pytest.importorskip("transformers")
-    from tests.models import hf_models
 
     losses = {}
     for fused in (True, False):
@@ -170,15 +170,12 @@ def test_fused_loss_must_be_a_bool():
 FUSED_KINDS = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "falcon", "bloom", "opt", "t5"}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3",
-                                  "gpt_neox", "gptj", "falcon", "bloom", "opt", "bert", "t5", "bart", "vit"])  # fmt: skip
+@pytest.mark.parametrize("kind", hf_models.KINDS)
 def test_every_hugging_face_family_gets_the_same_gradients_fused(kind):
     """One SGD step at lr 1 (the update is the gradient) with and without the rewrite, on each
     family of the corpus: the same loss and gradients up to float32 rounding, and the rewrite
     where the family's head and loss admit it."""
     pytest.importorskip("transformers")
-    from tests.models import hf_models
-
     out = {}
     for fused in (True, False):
         model = hf_models.make(kind)
@@ -198,3 +195,33 @@ def test_every_hugging_face_family_gets_the_same_gradients_fused(kind):
     for name, (want, rounding) in out[False][1].items():
         atol = 1e-6 * largest + rounding
         torch.testing.assert_close(out[True][1][name][0], want, rtol=1e-4, atol=atol, msg=name)
+
+
+def test_an_evaluation_step_fuses_the_loss_without_gradients():
+    pytest.importorskip("transformers")
+    model = hf_models.make("gpt2")
+    train = fsg.compile_step(hf_models.loss_fn(model), optimizer=fsg.optim.sgd(0.1), backend="eager")
+    state, batch = train.init(fsg.params(model)), hf_models.batches(1, kind="gpt2")[0]
+    results = {}
+    for fused in (True, False):
+        evaluate = fsg.compile_eval(hf_models.loss_fn(model), backend="eager", fused_loss=fused)
+        results[fused] = evaluate(state, batch)
+        ops = evaluate.lower(state, batch).op_counts()
+        assert ops.get("fsg.linear_cross_entropy_fwd", 0) == int(fused)
+    torch.testing.assert_close(results[True], results[False], rtol=1e-6, atol=1e-6)
+
+
+def test_accumulated_microbatches_each_fuse_their_loss():
+    pytest.importorskip("transformers")
+    out = {}
+    for fused in (True, False):
+        model = hf_models.make("llama")
+        step = fsg.compile_step(hf_models.loss_fn(model), optimizer=fsg.optim.sgd(0.1), backend="eager",
+                                accum_steps=2, fused_loss=fused)  # fmt: skip
+        state, batch = step.init(fsg.params(model)), hf_models.batches(1, kind="llama")[0]
+        assert step.lower(state, batch).op_counts().get("fsg.linear_cross_entropy_fwd", 0) == 2 * fused
+        state, metrics = step(state, batch)
+        out[fused] = metrics["loss"], state.params
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
+    for name, want in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], want, rtol=1e-5, atol=1e-6, msg=name)
