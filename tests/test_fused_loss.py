@@ -105,6 +105,50 @@ def test_rewritten_exactly_where_it_computes_the_same_loss(case):
         torch.testing.assert_close(got, want, **tol)
 
 
+MUTATIONS = {
+    "logits +=": lambda logits, h, w: logits.add_(1.0),
+    "a slice of the logits": lambda logits, h, w: logits[..., :2].fill_(-1e4),
+    "masked_fill_ on a view": lambda logits, h, w: logits.view(-1).masked_fill_(torch.arange(logits.numel()) % 3 == 0, 0.0),
+    "h *=": lambda logits, h, w: h.mul_(2.0),
+    "the weight": lambda logits, h, w: w.mul_(0.5),
+}
+
+
+@pytest.mark.parametrize("when", ["before the cast", "after the cast"])
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_write_in_place_between_the_linear_and_the_loss_keeps_the_loss_as_written(mutation, when):
+    """The logits, ``h`` or the weight written in place after the linear: the loss reads the
+    written values, so nothing is rewritten (the version counters moved)."""
+    results = []
+    for fused in (True, False):
+        g = torch.Generator().manual_seed(0)
+        h0, w0 = torch.randn(2, 3, 4, generator=g, requires_grad=True), torch.randn(6, 4, generator=g, requires_grad=True)
+        targets = torch.randint(0, 6, (6,), generator=g)
+        mode = FusedLoss()
+        with mode if fused else contextlib.nullcontext():
+            h, w = h0 * 1.0, w0 * 1.0  # non-leaf copies: autograd lets them be written in place
+            logits = F.linear(h, w)
+            if when == "before the cast":
+                MUTATIONS[mutation](logits, h, w)
+            logits = logits.float()
+            if when == "after the cast":
+                MUTATIONS[mutation](logits, h, w)
+            loss = F.cross_entropy(logits.view(-1, 6), targets)
+        try:  # autograd refuses a write to h or the weight, which its backward reads
+            results.append((loss, *torch.autograd.grad(loss, (h0, w0))))
+        except RuntimeError as e:
+            results.append((loss, str(e).split(":")[0]))
+        # (a write to h or the weight after the cast leaves the logits as computed: the
+        # rewrite would be right, but it cannot tell, and keeps the loss as written)
+        assert mode.rewritten == 0
+    assert type(results[0][1]) is type(results[1][1])
+    if isinstance(results[0][1], str):
+        assert results[0][1] == results[1][1]
+        torch.testing.assert_close(results[0][0], results[1][0])
+    else:
+        torch.testing.assert_close(results[0], results[1])
+
+
 def test_every_target_ignored_gives_torchs_nan_mean_and_zero_gradients():
     case = dict(shape=(2, 3, 4, 5), dtype=torch.float32, cast="float", index=None, flatten="view", reduction="mean",
                 ignored=1.0, ignore_index=-100, bias=False, smoothing=0.0, class_weight=False, cast_first=True, seed=0)  # fmt: skip

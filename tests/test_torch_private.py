@@ -231,3 +231,20 @@ def test_default_store_is_none_without_a_process_group():
     import torch.distributed as dist
 
     assert not dist.is_initialized() and _torch_private.default_store() is None
+
+
+def test_version_moves_at_an_in_place_write_to_any_view_also_while_tracing():
+    seen = []
+
+    def f(x):
+        y, before = x * 2, None
+        v = y.view(-1)
+        before = (_torch_private.version(y), _torch_private.version(v))
+        y[..., :1] += 1  # through another view
+        seen.append((before, (_torch_private.version(y), _torch_private.version(v))))
+        return v.sum()
+
+    f(torch.ones(2, 3))
+    _torch_private.trace_fake(f, torch.ones(2, 3))
+    for (y0, v0), (y1, v1) in seen:
+        assert y0 == v0 and y1 == v1 and y1 > y0

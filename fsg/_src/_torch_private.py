@@ -24,32 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsg._src import decompositions as fsg_decompositions
 
-__all__ = [
-    "ALL_GATHER",
-    "ALL_REDUCE",
-    "DATA_DEPENDENT_ERRORS",
-    "HOST_SYNC_OPS",
-    "OpOverload",
-    "REDUCE_SCATTER",
-    "TorchDispatchMode",
-    "WAIT_TENSOR",
-    "aliased_args",
-    "all_decompositions",
-    "arg_names",
-    "core_decompositions",
-    "default_store",
-    "draws_random",
-    "dtensor_has_rule",
-    "dtensor_index_put_rule_is_positional",
-    "fake_mode",
-    "functionalize",
-    "inductor_compile",
-    "is_collective",
-    "is_pure_op",
-    "mutated_args",
-    "register_sharding",
-    "return_names",
-    "trace_fake",
+__all__ = [  # fmt: skip
+    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "HOST_SYNC_OPS", "OpOverload", "REDUCE_SCATTER",
+    "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "core_decompositions",
+    "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional", "fake_mode",
+    "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args", "register_sharding",
+    "return_names", "trace_fake", "version",
 ]
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
@@ -86,6 +66,11 @@ def is_collective(target: Any) -> bool:
 def is_pure_op(target: Any) -> bool:
     """Whether an FX node target is an aten-style op whose schema mutates none of its inputs."""
     return isinstance(target, OpOverload) and not target._schema.is_mutable
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, shared with its views: every in-place write moves it."""
+    return t._version
 
 
 def dtensor_has_rule(op: Any) -> bool:

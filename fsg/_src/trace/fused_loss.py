@@ -18,8 +18,10 @@ result is the same computation up to rounding of the GEMMs: the linear has no bi
 has no class weights, no label smoothing, reduction ``"mean"`` or ``"sum"``, class-index
 targets, ``[N, V]`` logits, and runs in float32 (the logits cast up, as Hugging Face's
 losses do, float32 compute, or under autocast, which runs the loss in float32). The logits
-are computed in the linear's own output dtype, as the linear computed them. Anything else is
-traced as written. ``compile_step(..., fused_loss=False)`` turns the rewrite off.
+are computed in the linear's own output dtype, as the linear computed them. Nothing is
+rewritten once the logits, ``h`` or the weight (or a view of one) was written in place
+between the linear and the loss (``logits[..., pad] = -inf``): their version counters say so.
+Anything else is traced as written. ``compile_step(..., fused_loss=False)`` turns the rewrite off.
 """
 
 from __future__ import annotations
@@ -31,16 +33,30 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from fsg._src import _torch_private
 from fsg._src.kernels import linear_cross_entropy as lce
 
 
 class _Logits(NamedTuple):
-    """A tensor equal to ``F.linear(h, weight)`` read along ``index`` of its leading dims."""
+    """A tensor equal to ``F.linear(h, weight)`` (in float32 or the linear's dtype), as long as
+    none of the three is written in place: their version counters then stay as recorded."""
 
     tensor: torch.Tensor  # the tensor followed (kept alive: ids are never reused meanwhile)
     h: torch.Tensor  # rows whose projection the tensor is, same leading shape
     weight: torch.Tensor
     dtype: torch.dtype  # the dtype the linear computed the logits in
+    versions: tuple[int, ...] = ()
+
+    def recorded(self) -> _Logits:
+        return self._replace(versions=_versions(self))
+
+    def intact(self) -> bool:
+        """No in-place write to the tensor, ``h`` or ``weight`` (or a view of one) since."""
+        return self.versions == _versions(self)
+
+
+def _versions(logits: _Logits) -> tuple[int, ...]:
+    return tuple(_torch_private.version(t) for t in (logits.tensor, logits.h, logits.weight))
 
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten}
@@ -72,7 +88,7 @@ class FusedLoss(TorchFunctionMode):
                 self._follow(out, _Logits(out, args[0], weight, out.dtype))
             return out
         src = self._logits.get(id(args[0]))
-        if src is None or src.tensor is not args[0] or out.shape[-1:] != src.tensor.shape[-1:]:
+        if src is None or src.tensor is not args[0] or out.shape[-1:] != src.tensor.shape[-1:] or not src.intact():
             return out
         if func in _CASTS and out.dtype == torch.float32 and _is_cast(func, args, kwargs):
             self._follow(out, src._replace(tensor=out))
@@ -84,12 +100,12 @@ class FusedLoss(TorchFunctionMode):
         return out
 
     def _follow(self, out: torch.Tensor, logits: _Logits) -> None:
-        self._logits[id(out)] = logits
+        self._logits[id(out)] = logits.recorded()
 
     def _fused(self, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                reduction="mean", label_smoothing=0.0):  # fmt: skip
         src = self._logits.get(id(input)) if isinstance(input, torch.Tensor) else None
-        if src is None or src.tensor is not input or input.dim() != 2:
+        if src is None or src.tensor is not input or input.dim() != 2 or not src.intact():
             return None
         plain = weight is None and size_average is None and reduce is None and not label_smoothing
         # float32 logits, or CUDA's autocast, which runs the loss in float32
