@@ -108,7 +108,9 @@ def test_rewritten_exactly_where_it_computes_the_same_loss(case):
 MUTATIONS = {
     "logits +=": lambda logits, h, w: logits.add_(1.0),
     "a slice of the logits": lambda logits, h, w: logits[..., :2].fill_(-1e4),
-    "masked_fill_ on a view": lambda logits, h, w: logits.view(-1).masked_fill_(torch.arange(logits.numel()) % 3 == 0, 0.0),
+    "masked_fill_ on a view": lambda logits, h, w: logits.view(-1).masked_fill_(
+        torch.arange(logits.numel()) % 3 == 0, 0.0
+    ),
     "h *=": lambda logits, h, w: h.mul_(2.0),
     "the weight": lambda logits, h, w: w.mul_(0.5),
 }
@@ -122,7 +124,10 @@ def test_a_write_in_place_between_the_linear_and_the_loss_keeps_the_loss_as_writ
     results = []
     for fused in (True, False):
         g = torch.Generator().manual_seed(0)
-        h0, w0 = torch.randn(2, 3, 4, generator=g, requires_grad=True), torch.randn(6, 4, generator=g, requires_grad=True)
+        h0, w0 = (
+            torch.randn(2, 3, 4, generator=g, requires_grad=True),
+            torch.randn(6, 4, generator=g, requires_grad=True),
+        )
         targets = torch.randint(0, 6, (6,), generator=g)
         mode = FusedLoss()
         with mode if fused else contextlib.nullcontext():
@@ -211,7 +216,20 @@ def test_fused_loss_must_be_a_bool():
 # The families whose head is a bias-free linear read by a float32 cross-entropy (the others:
 # Gemma 2 soft-caps its logits, Phi's, GPT-J's and BART's heads add a bias, the masked LMs'
 # decoders too, ViT classifies with a biased head)
-FUSED_KINDS = {"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "falcon", "bloom", "opt", "t5"}
+FUSED_KINDS = {
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "phi3",
+    "gpt_neox",
+    "falcon",
+    "bloom",
+    "opt",
+    "t5",
+}
 
 
 @pytest.mark.parametrize("kind", hf_models.KINDS)
@@ -228,9 +246,15 @@ def test_every_hugging_face_family_gets_the_same_gradients_fused(kind):
         state, batch = step.init(fsg.params(model)), hf_models.batches(1, kind=kind)[0]
         new, metrics = step(state, batch)
         # the update is the gradient, read back to within float32's rounding of the param
-        grads = {n: (state.params[n] - new.params[n], float(state.params[n].abs().max()) * 2**-22) for n in state.params}
+        grads = {
+            n: (state.params[n] - new.params[n], float(state.params[n].abs().max()) * 2**-22) for n in state.params
+        }
         ops = step.lower(state, batch).op_counts()
-        out[fused] = metrics["loss"], grads, sum(n for op, n in ops.items() if op.startswith("fsg.linear_cross_entropy"))
+        out[fused] = (
+            metrics["loss"],
+            grads,
+            sum(n for op, n in ops.items() if op.startswith("fsg.linear_cross_entropy")),
+        )
     assert out[True][2] == (kind in FUSED_KINDS) and out[False][2] == 0
     torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-6)
     # a gradient zero in exact arithmetic (a key projection's bias) is rounding noise on both
