@@ -208,9 +208,11 @@ def test_hugging_face_step_traces_the_fused_loss_and_trains_alike():
     torch.testing.assert_close(torch.stack(losses[True]), torch.stack(losses[False]), rtol=1e-5, atol=1e-6)
 
 
-def test_fused_loss_must_be_a_bool():
+def test_fused_loss_must_be_a_bool_or_none():
     with pytest.raises(ArgumentError, match="fused_loss"):
         fsg.compile_step(lambda p, b: p["w"].sum(), optimizer=fsg.optim.sgd(0.1), fused_loss="yes")
+    with pytest.raises(ArgumentError, match="fused_loss"):
+        fsg.compile_eval(lambda p, b: p["w"].sum(), fused_loss=1)
 
 
 # The families whose head is a bias-free linear read by a float32 cross-entropy (the others:

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fsg._src import _torch_private, tree
+from fsg._src import _torch_private, checks, tree
 from fsg._src.backend import inductor as backend_lib
 from fsg._src.errors import MeshError, RecompileError, RecompileWarning
 from fsg._src.kernels._common import plain_math
@@ -252,6 +252,7 @@ def compile_eval(
     """
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"compile_eval: mesh must be an fsg.Mesh or None, got {type(mesh).__name__}")
+    checks.flag("compile_eval(fused_loss=...)", fused_loss, optional=True)
     return EvalStep(
         fn, mesh, param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
         backend=backend, strict=strict, fused_loss=fused_loss,
