@@ -17,7 +17,7 @@ whole (``logits[:, :-1]``: the same index is applied to ``h``). Rewritten only w
 result is the same computation up to rounding of the GEMMs: the linear has no bias; the loss
 has no class weights, no label smoothing, reduction ``"mean"`` or ``"sum"``, class-index
 targets, ``[N, V]`` logits, and runs in float32 (the logits cast up, as Hugging Face's
-losses do, float32 compute, or under autocast, which runs the loss in float32). The logits
+losses do, float32 compute, or under CUDA autocast, which runs the loss in float32). The logits
 are computed in the linear's own output dtype, as the linear computed them. Nothing is
 rewritten once the logits, ``h`` or the weight (or a view of one) was written in place
 between the linear and the loss (``logits[..., pad] = -inf``): their version counters say so.
