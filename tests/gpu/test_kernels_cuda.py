@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import fsg
 from fsg._src.kernels import adamw as A
+from fsg._src.kernels._common import capture_warmup, graph_owns
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 from tests.helpers import rel_err as rel
 
@@ -69,21 +70,37 @@ def test_fused_adamw_matches_torch_fused_adamw():
         assert rel(a, b) < 1e-6
 
 
-def test_fused_adamw_under_cuda_graph_capture_replays():
+@pytest.mark.parametrize("warmed_up", [True, False])
+def test_fused_adamw_under_cuda_graph_capture_replays(warmed_up):
+    """With a warm-up run before the capture (as fsg's graphed step does) the graph replays one
+    multi-tensor launch whose gradient table the capture filled: the gradients are made inside
+    the graph, at addresses the warm-up never saw, and change at every replay. Without one it
+    replays one launch per tensor. Both equal the traced math."""
     params, grads, mus, nus = _adamw_tensors()
-    ref = [[t.clone() for t in ts] for ts in (params, grads, mus, nus)]
+    ref = [[t.clone() for t in ts] for ts in (params, mus, nus)]
     count, lr = torch.tensor(1, device="cuda"), torch.tensor(1e-3, device="cuda")
     args = (count, lr, 0.9, 0.999, 1e-8, [0.0, 0.1, 0.1, 0.0])
-    A.launch_per_tensor(*[[t.clone() for t in ts] for ts in (params, grads, mus, nus)], *args)  # build kernels
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        A.launch(params, grads, mus, nus, *args)  # capturing: per-tensor launches
-    for _ in range(3):
-        graph.replay()
-        A.adamw_reference(*ref, *args)
+    scale = torch.ones((), device="cuda")
+    copies = [[t.clone() for t in ts] for ts in (params, mus, nus)]
+    A.launch_per_tensor(copies[0], grads, copies[1], copies[2], *args)  # builds the per-tensor kernel
+    A._FOR_CAPTURE.clear()
+    if warmed_up:  # the real step before a capture, on the same state: uploads the state tables
+        with capture_warmup():
+            A.launch(params, [g * scale for g in grads], mus, nus, *args)
+        A.adamw_reference(ref[0], grads, ref[1], ref[2], *args)
         count += 1
-    for a, b in zip(params + mus + nus, ref[0] + ref[2] + ref[3]):
+        A._TABLES.clear()  # the graph must not depend on the cache
+    torch.cuda.synchronize()
+    graph, owned = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph), graph_owns(owned):
+        A.launch(params, [g * scale for g in grads], mus, nus, *args)
+    assert len(owned) == int(warmed_up) and not A._FOR_CAPTURE
+    for _ in range(3):
+        scale.mul_(1.5)
+        graph.replay()
+        A.adamw_reference(ref[0], [g * scale for g in grads], ref[1], ref[2], *args)
+        count += 1
+    for a, b in zip(params + mus + nus, ref[0] + ref[1] + ref[2]):
         assert rel(a, b) < 1e-5
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import fsg
 from fsg._src.kernels import adamw as K
+from fsg._src.kernels._common import capture_warmup
 from fsg._src.passes import fuse_adamw as fusion
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 from tests.kernels.common import KERNEL, needs_triton, rel
@@ -52,6 +53,25 @@ def test_per_tensor_kernel_matches_multi_tensor():
     K.launch_per_tensor(*copies, *args, block=64)
     for a, b in zip((*params, *mus, *nus), (*copies[0], *copies[2], *copies[3])):
         assert torch.equal(a, b)
+
+
+def test_a_capture_warmup_launches_as_usual_and_sets_the_gradient_table_aside():
+    """The warm-up before a CUDA-graph capture runs the multi-tensor launch (it builds the
+    kernel the capture records) and sets aside, for the capture on the same state, the buffers
+    that will carry the gradients' addresses (the capture itself is exercised in tests/gpu)."""
+    params, grads, mus, nus = _tensors([5, 123, 77], seed=4)
+    ref = [[t.clone() for t in group] for group in (params, grads, mus, nus)]
+    args = (torch.tensor(2), torch.tensor(1e-2), 0.9, 0.95, 1e-8, [0.1, 0.0, 0.1])
+    K._FOR_CAPTURE.clear()
+    with capture_warmup():
+        K.launch(params, grads, mus, nus, *args, block=32)
+    K.adamw_reference(*ref, *args)
+    for got, want in zip((*params, *mus, *nus), (*ref[0], *ref[2], *ref[3])):
+        assert rel(got, want) < 1e-6
+    (key, captured), *others = K._FOR_CAPTURE.items()
+    assert not others and key == K._key(params, mus, nus, [0.1, 0.0, 0.1], 32)
+    assert captured.addresses(grads).tolist() == [g.data_ptr() for g in grads]
+    K._FOR_CAPTURE.clear()
 
 
 def test_new_gradient_tensors_each_call_reuse_the_state_tables_and_stay_correct():
@@ -205,6 +225,10 @@ def test_fused_step_with_accumulation_or_mixed_precision_matches_traced_math(opt
             fused_optimizer=fused, **options,
         )  # fmt: skip
         states[fused] = steps[fused].init(fsg.params(model))
+    if "precision" in options:  # the kernel reads the bf16 gradients, not float32 copies of them
+        graph = steps[True].lower(states[True], regression_batch()).graph_module.graph
+        (node,) = [n for n in graph.nodes if n.target is fusion.FUSED_ADAMW]
+        assert {g.meta["val"].dtype for g in node.args[1]} == {torch.bfloat16}
     for i in range(3):
         for fused in (True, False):
             states[fused], _ = steps[fused](states[fused], regression_batch(seed=i))

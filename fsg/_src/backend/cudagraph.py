@@ -25,7 +25,7 @@ import torch
 
 from fsg._src import distributed
 from fsg._src.errors import CudaGraphWarning
-from fsg._src.kernels._common import capture_warmup
+from fsg._src.kernels._common import capture_warmup, graph_owns
 
 log = logging.getLogger("fsg")
 
@@ -67,6 +67,7 @@ class GraphedStep:
         self._key: tuple = ()
         self._batch: list[torch.Tensor] = []
         self._outputs: tuple = ()
+        self._owned: list = []
         _LIVE.add(self)
 
     @property
@@ -76,6 +77,7 @@ class GraphedStep:
     def release(self) -> None:
         """Drops the captured graph and its buffers; the next call captures again."""
         self._graph, self._key, self._outputs, self._batch, self._calls = None, (), (), [], 1
+        self._owned = []
 
     def _key_of(self, inputs) -> tuple:
         state = inputs[: self._num_state]
@@ -129,8 +131,8 @@ class GraphedStep:
         self._batch = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in batch]
         for buf, x in zip(self._batch, batch):
             buf.copy_(x)
-        self._graph = None  # release an old graph's pool before capturing a new one
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records only: the state is not touched here
+        self._graph, self._owned = None, []  # release an old graph's pool before capturing a new one
+        graph, owned = torch.cuda.CUDAGraph(), []  # owned: what the graph's kernels read (tables)
+        with torch.cuda.graph(graph), graph_owns(owned):  # records only: the state is not touched here
             self._outputs = tuple(self._fn(*inputs[: self._num_state], *self._batch))
-        self._graph, self._key = graph, key
+        self._graph, self._key, self._owned = graph, key, owned

@@ -126,13 +126,41 @@ _CAPTURE_WARMUP = contextvars.ContextVar("fsg_capture_warmup", default=False)
 
 
 def capture_warmup():
-    """Marks the warm-up run before a CUDA-graph capture: kernels take the launch path they
-    will take while capturing, so that every Triton kernel the capture needs is already built
-    and loaded (building one during a capture is not allowed)."""
+    """Marks the warm-up run before a CUDA-graph capture: kernels launch what they will launch
+    while capturing, so that every Triton kernel the capture needs is already built and loaded,
+    and set aside what the capture cannot allocate (building a kernel or allocating pinned
+    memory during a capture is not allowed)."""
     return _flag(_CAPTURE_WARMUP)
 
 
-def graph_safe_launch(x: torch.Tensor) -> bool:
-    """Whether a kernel on ``x`` must launch without host-to-device uploads: while a CUDA
-    graph is captured, or in the warm-up run before one."""
-    return _CAPTURE_WARMUP.get() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+def in_capture_warmup() -> bool:
+    """Whether this is the warm-up run before a CUDA-graph capture (see ``capture_warmup``)."""
+    return _CAPTURE_WARMUP.get()
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (of ``x``'s device)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_KEEP_ALIVE: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsg_graph_keep_alive", default=None)
+_KEPT_FOR_OTHER_GRAPHS: list = []  # captures fsg did not start: their lifetime is unknown here
+
+
+@contextlib.contextmanager
+def graph_owns(objects: list):
+    """Within this context (a capture), ``keep_alive`` puts objects into ``objects``, which the
+    caller keeps exactly as long as the graph: what the graph reads at replay (a pinned host
+    buffer, a device table) must outlive it."""
+    token = _KEEP_ALIVE.set(objects)
+    try:
+        yield
+    finally:
+        _KEEP_ALIVE.reset(token)
+
+
+def keep_alive(obj) -> None:
+    """Keeps ``obj`` alive as long as the CUDA graph being captured (for the process when the
+    capture is not fsg's own)."""
+    owner = _KEEP_ALIVE.get()
+    (_KEPT_FOR_OTHER_GRAPHS if owner is None else owner).append(obj)

@@ -3,9 +3,12 @@
 Shape legend: T tensors in the group, B blocks over all of them (each block lies in one
 tensor). The multi-tensor kernel reads each tensor's base address from int64 tables
 (params, grads, first and second moments), so one launch covers the whole group; a block
-table maps each program to ``(tensor, offset)``. While a CUDA graph is being captured the
-tables cannot be uploaded (a host-to-device copy is not capturable), so the same block math
-runs as one launch per tensor, which a graph replays at no launch cost.
+table maps each program to ``(tensor, offset)``. A CUDA graph keeps the one launch too: the
+warm-up run before a capture uploads the state's tables and sets aside a pinned host buffer
+for the gradients' addresses, which are only known while capturing; the capture writes them
+there and records the host-to-device copy (a graph replays a copy from pinned memory), so the
+graph replays one launch per group, not one per tensor (per-tensor launches, still used when a
+capture had no warm-up, cost ~0.3 ms a step on a 125M model: benchmarks/RESULTS.md).
 
 The math is the traced ``fsg.optim.adamw`` update, op for op, in float32:
 ``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g g``,
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fsg._src.kernels._common import HAS_TRITON, graph_safe_launch, tl, triton, use_triton
+from fsg._src.kernels._common import HAS_TRITON, capturing, in_capture_warmup, keep_alive, tl, triton, use_triton
 
 # Elements per program and warps: the best of the sweep in benchmarks/kernels.py on an H200
 # (512/4: 98% of copy bandwidth; 1024/4: 82%; 4096/16: 76%).
@@ -129,8 +132,27 @@ class _Tables:
         return self.grad_addrs
 
 
+class _CapturedGrads:
+    """The gradient-address table of one launch inside a CUDA graph: a pinned host buffer that
+    the capture fills with the gradients' addresses (fixed in the graph's memory pool) and a
+    device table that the graph copies it into at each replay. Made in the warm-up run before
+    the capture (allocating pinned memory while capturing is not allowed); it and the state
+    tables it holds live as long as the graph (``keep_alive``)."""
+
+    def __init__(self, tables: _Tables, count: int, device: torch.device):
+        self.tables = tables  # a later eviction from _TABLES must not free what the graph reads
+        self.host = torch.empty(count, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = torch.empty(count, dtype=torch.int64, device=device)
+
+    def addresses(self, grads) -> torch.Tensor:
+        self.host.copy_(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64))
+        self.device.copy_(self.host, non_blocking=True)  # recorded: replayed from the pinned buffer
+        return self.device
+
+
 _TABLES: dict[tuple, _Tables] = {}
 _MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
+_FOR_CAPTURE: dict[tuple, _CapturedGrads] = {}  # set aside by a warm-up run for the capture after it
 
 
 def _key(params, mus, nus, wds, block) -> tuple:
@@ -160,20 +182,30 @@ def launch(
     nothing where the 0-d bool ``finite`` is False."""
     if not params:
         return
-    if graph_safe_launch(params[0]):
-        launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block, finite)
-        return
-    consts = (bias_corrections(count, b1, b2, finite), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     key = _key(params, mus, nus, wds, block)
-    tables = _TABLES.get(key)
-    if tables is None:
-        if len(_TABLES) >= _MAX_CACHED:
-            _TABLES.clear()
-        tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
+    if capturing(params[0]):  # the tables the warm-up uploaded, or one launch per tensor without one
+        captured = _FOR_CAPTURE.pop(key, None)
+        if captured is None:
+            launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block, finite)
+            return
+        keep_alive(captured)
+        tables, grad_addrs = captured.tables, captured.addresses(grads)
+    else:
+        tables = _TABLES.get(key)
+        if tables is None:
+            if len(_TABLES) >= _MAX_CACHED:
+                _TABLES.clear()
+            tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
+        grad_addrs = tables.grads(grads)
+        if in_capture_warmup():
+            if len(_FOR_CAPTURE) >= _MAX_CACHED:  # warm-ups whose capture never came (it failed)
+                _FOR_CAPTURE.clear()
+            _FOR_CAPTURE[key] = _CapturedGrads(tables, len(grads), params[0].device)
+    consts = (bias_corrections(count, b1, b2, finite), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     p_addrs, m_addrs, v_addrs = tables.addrs
     _adamw_multi_tensor_kernel[(tables.num_blocks,)](
         p_addrs,
-        tables.grads(grads),
+        grad_addrs,
         m_addrs,
         v_addrs,
         tables.numels,

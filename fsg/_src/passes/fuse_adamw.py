@@ -117,19 +117,32 @@ def through_views(node: fx.Node) -> fx.Node:
     return node
 
 
+def _plain_cast(node: fx.Node, device: torch.device) -> bool:
+    """Whether a ``_to_copy`` node changes nothing but the dtype: the backward of a parameter's
+    cast to the compute dtype (``Policy(compute=...)``) spells out ``layout`` and ``device``;
+    ``Policy(reduce=...)``'s cast back gives only ``dtype``."""
+    extra = dict(node.kwargs)
+    extra.pop("dtype", None)
+    layout, on = extra.pop("layout", torch.strided), extra.pop("device", device)
+    return not extra and layout == torch.strided and torch.device(on) == device
+
+
 def _without_upcast(grad: fx.Node) -> fx.Node:
-    """The bf16 (or fp16) tensor under a cast of a gradient to float32 (a gradient reduced in
-    ``Policy.reduce=torch.bfloat16`` is cast back): the kernel reads any gradient dtype and
-    computes in float32, so it gives the same update without the cast's extra pass."""
+    """The bf16 (or fp16) tensor under a cast of a gradient to float32 (the gradient of a
+    parameter read in bf16 under ``Policy(compute=torch.bfloat16)``, or one reduced in
+    ``Policy(reduce=torch.bfloat16)`` and cast back): the kernel reads any gradient dtype and
+    computes in float32, so it gives the same update without materializing the float32 copy
+    (a cast kernel per parameter and twice the bytes read: ~0.3 ms a step at 125M on an H200)."""
     node = through_views(grad)
     if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
         return grad
     source, value = node.args[0], node.meta.get("val")
     source_value = source.meta.get("val") if isinstance(source, fx.Node) else None
     if (
-        set(node.kwargs) == {"dtype"}
+        len(node.args) == 1
         and value is not None
         and source_value is not None
+        and _plain_cast(node, source_value.device)
         and value.dtype == torch.float32
         and source_value.dtype in (torch.bfloat16, torch.float16)
         and source_value.shape == value.shape
