@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import fsg
+from fsg._src.kernels import _multi_tensor as MT
 from fsg._src.kernels import adamw as A
+from fsg._src.kernels import sum_squares as S
 from fsg._src.kernels._common import capture_warmup, graph_owns
 from tests.helpers import mlp, mse_loss_fn, regression_batch
 from tests.helpers import rel_err as rel
@@ -83,7 +85,7 @@ def test_fused_adamw_under_cuda_graph_capture_replays(warmed_up):
     scale = torch.ones((), device="cuda")
     copies = [[t.clone() for t in ts] for ts in (params, mus, nus)]
     A.launch_per_tensor(copies[0], grads, copies[1], copies[2], *args)  # builds the per-tensor kernel
-    A._FOR_CAPTURE.clear()
+    MT._FOR_CAPTURE.clear()
     if warmed_up:  # the real step before a capture, on the same state: uploads the state tables
         with capture_warmup():
             A.launch(params, [g * scale for g in grads], mus, nus, *args)
@@ -94,7 +96,7 @@ def test_fused_adamw_under_cuda_graph_capture_replays(warmed_up):
     graph, owned = torch.cuda.CUDAGraph(), []
     with torch.cuda.graph(graph), graph_owns(owned):
         A.launch(params, [g * scale for g in grads], mus, nus, *args)
-    assert len(owned) == int(warmed_up) and not A._FOR_CAPTURE
+    assert len(owned) == int(warmed_up) and not any(MT._FOR_CAPTURE.values())
     for _ in range(3):
         scale.mul_(1.5)
         graph.replay()
@@ -102,6 +104,28 @@ def test_fused_adamw_under_cuda_graph_capture_replays(warmed_up):
         count += 1
     for a, b in zip(params + mus + nus, ref[0] + ref[1] + ref[2]):
         assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("warmed_up", [True, False])
+def test_sum_squares_under_cuda_graph_capture_replays(warmed_up):
+    """The global norm's one launch in a CUDA graph: tensors made inside the graph, values
+    changed at every replay; without a warm-up the capture records the traced reduction."""
+    base = [torch.randn(s, device="cuda", dtype=d) for s, d in [((50304, 64), torch.bfloat16), ((7,), torch.float32),
+                                                                   ((768, 768), torch.bfloat16)]]  # fmt: skip
+    scale = torch.ones((), device="cuda")
+    MT._FOR_CAPTURE.clear()
+    if warmed_up:
+        with capture_warmup():
+            S.sum_squares([t * scale for t in base])
+    torch.cuda.synchronize()
+    graph, owned = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph), graph_owns(owned):
+        out = S.sum_squares([t * scale for t in base])
+    assert len(owned) == (2 if warmed_up else 0) and not any(MT._FOR_CAPTURE.values())  # one per dtype
+    for _ in range(3):
+        scale.mul_(1.5)
+        graph.replay()
+        assert rel(out, S.sum_squares_reference([t * scale for t in base])) < 1e-5
 
 
 def test_compiled_step_on_cuda_uses_the_fused_optimizer_by_default():

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fsg
+from fsg._src.kernels import _multi_tensor as MT
 from fsg._src.kernels import adamw as K
 from fsg._src.kernels._common import capture_warmup
 from fsg._src.passes import fuse_adamw as fusion
@@ -62,16 +63,17 @@ def test_a_capture_warmup_launches_as_usual_and_sets_the_gradient_table_aside():
     params, grads, mus, nus = _tensors([5, 123, 77], seed=4)
     ref = [[t.clone() for t in group] for group in (params, grads, mus, nus)]
     args = (torch.tensor(2), torch.tensor(1e-2), 0.9, 0.95, 1e-8, [0.1, 0.0, 0.1])
-    K._FOR_CAPTURE.clear()
+    MT._FOR_CAPTURE.clear()
     with capture_warmup():
         K.launch(params, grads, mus, nus, *args, block=32)
     K.adamw_reference(*ref, *args)
     for got, want in zip((*params, *mus, *nus), (*ref[0], *ref[2], *ref[3])):
         assert rel(got, want) < 1e-6
-    (key, captured), *others = K._FOR_CAPTURE.items()
-    assert not others and key == K._key(params, mus, nus, [0.1, 0.0, 0.1], 32)
-    assert captured.addresses(grads).tolist() == [g.data_ptr() for g in grads]
-    K._FOR_CAPTURE.clear()
+    key = K._key(params, mus, nus, [0.1, 0.0, 0.1], 32)
+    ((site, [captured]),) = MT._FOR_CAPTURE.items()
+    assert site == ("adamw", key) and captured.held == (K._TABLES[key],)
+    assert captured.fill(grads).tolist() == [g.data_ptr() for g in grads]
+    MT._FOR_CAPTURE.clear()
 
 
 def test_new_gradient_tensors_each_call_reuse_the_state_tables_and_stay_correct():

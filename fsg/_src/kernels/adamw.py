@@ -3,12 +3,10 @@
 Shape legend: T tensors in the group, B blocks over all of them (each block lies in one
 tensor). The multi-tensor kernel reads each tensor's base address from int64 tables
 (params, grads, first and second moments), so one launch covers the whole group; a block
-table maps each program to ``(tensor, offset)``. A CUDA graph keeps the one launch too: the
-warm-up run before a capture uploads the state's tables and sets aside a pinned host buffer
-for the gradients' addresses, which are only known while capturing; the capture writes them
-there and records the host-to-device copy (a graph replays a copy from pinned memory), so the
-graph replays one launch per group, not one per tensor (per-tensor launches, still used when a
-capture had no warm-up, cost ~0.3 ms a step on a 125M model: benchmarks/RESULTS.md).
+table maps each program to ``(tensor, offset)`` (``_multi_tensor.py``). A CUDA graph replays
+that one launch too: the warm-up before the capture uploads the state's tables and sets aside
+the gradients' (their addresses are only known while capturing). A capture without a warm-up
+takes one launch per tensor, which cost ~0.3 ms a step more at 125M on an H200.
 
 The math is the traced ``fsg.optim.adamw`` update, op for op, in float32:
 ``m' = b1 m + (1-b1) g``, ``v' = b2 v + (1-b2) g g``,
@@ -24,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from fsg._src.kernels._common import HAS_TRITON, capturing, in_capture_warmup, keep_alive, tl, triton, use_triton
+from fsg._src.kernels._common import HAS_TRITON, capturing, tl, triton, use_triton
+from fsg._src.kernels._multi_tensor import Blocks, addresses, upload
 
 # Elements per program and warps: the best of the sweep in benchmarks/kernels.py on an H200
 # (512/4: 98% of copy bandwidth; 1024/4: 82%; 4096/16: 76%).
@@ -99,60 +98,20 @@ def _adamw_tensor_kernel(
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if HAS_TRITON else {}
 
 
-def _upload(values, dtype, device) -> torch.Tensor:
-    """A host list as a device tensor, copied from pinned memory without a host sync (the
-    caching host allocator keeps the pinned buffer until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class _Tables:
-    """The device tables of one multi-tensor launch, cached by the state tensors' addresses (a
-    compiled step passes the same state storages every call). Gradients are new tensors each
-    call, often at the same addresses: their table is uploaded again only when one moved."""
+    """The state's tables of one multi-tensor launch (addresses of params and moments, weight
+    decays, blocks), cached by the state tensors' addresses: a compiled step passes the same
+    state storages every call. The gradients' table follows the gradients (``addresses``)."""
 
     def __init__(self, params, mus, nus, wds, block):
         device = params[0].device
-        blocks = [triton.cdiv(p.numel(), block) for p in params]
-        self.num_blocks = sum(blocks)
-        self.addrs = [_upload([t.data_ptr() for t in group], torch.int64, device) for group in (params, mus, nus)]
-        self.numels = _upload([p.numel() for p in params], torch.int64, device)
-        self.wds = _upload(wds, torch.float32, device)
-        self.block_tensor = _upload([i for i, n in enumerate(blocks) for _ in range(n)], torch.int32, device)
-        self.block_offset = _upload([j * block for n in blocks for j in range(n)], torch.int64, device)
-        self.grad_ptrs: list[int] = []
-        self.grad_addrs: torch.Tensor | None = None
-
-    def grads(self, grads) -> torch.Tensor:
-        ptrs = [g.data_ptr() for g in grads]
-        if ptrs != self.grad_ptrs:
-            self.grad_ptrs, self.grad_addrs = ptrs, _upload(ptrs, torch.int64, grads[0].device)
-        return self.grad_addrs
-
-
-class _CapturedGrads:
-    """The gradient-address table of one launch inside a CUDA graph: a pinned host buffer that
-    the capture fills with the gradients' addresses (fixed in the graph's memory pool) and a
-    device table that the graph copies it into at each replay. Made in the warm-up run before
-    the capture (allocating pinned memory while capturing is not allowed); it and the state
-    tables it holds live as long as the graph (``keep_alive``)."""
-
-    def __init__(self, tables: _Tables, count: int, device: torch.device):
-        self.tables = tables  # a later eviction from _TABLES must not free what the graph reads
-        self.host = torch.empty(count, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.device = torch.empty(count, dtype=torch.int64, device=device)
-
-    def addresses(self, grads) -> torch.Tensor:
-        self.host.copy_(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64))
-        self.device.copy_(self.host, non_blocking=True)  # recorded: replayed from the pinned buffer
-        return self.device
+        self.blocks = Blocks([p.numel() for p in params], block, device)
+        self.addrs = [upload([t.data_ptr() for t in group], torch.int64, device) for group in (params, mus, nus)]
+        self.wds = upload(wds, torch.float32, device)
 
 
 _TABLES: dict[tuple, _Tables] = {}
 _MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
-_FOR_CAPTURE: dict[tuple, _CapturedGrads] = {}  # set aside by a warm-up run for the capture after it
 
 
 def _key(params, mus, nus, wds, block) -> tuple:
@@ -183,35 +142,27 @@ def launch(
     if not params:
         return
     key = _key(params, mus, nus, wds, block)
-    if capturing(params[0]):  # the tables the warm-up uploaded, or one launch per tensor without one
-        captured = _FOR_CAPTURE.pop(key, None)
-        if captured is None:
-            launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block, finite)
-            return
-        keep_alive(captured)
-        tables, grad_addrs = captured.tables, captured.addresses(grads)
-    else:
-        tables = _TABLES.get(key)
-        if tables is None:
-            if len(_TABLES) >= _MAX_CACHED:
-                _TABLES.clear()
-            tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
-        grad_addrs = tables.grads(grads)
-        if in_capture_warmup():
-            if len(_FOR_CAPTURE) >= _MAX_CACHED:  # warm-ups whose capture never came (it failed)
-                _FOR_CAPTURE.clear()
-            _FOR_CAPTURE[key] = _CapturedGrads(tables, len(grads), params[0].device)
+    tables = _TABLES.get(key)
+    if tables is None and not capturing(params[0]):  # while capturing: the warm-up's tables
+        if len(_TABLES) >= _MAX_CACHED:
+            _TABLES.clear()
+        tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
+    grad_addrs, (tables,) = addresses(grads, ("adamw", key), (tables,))
+    if grad_addrs is None:  # a capture without a warm-up: one launch per tensor needs no tables
+        launch_per_tensor(params, grads, mus, nus, count, lr, b1, b2, eps, wds, block, finite)
+        return
     consts = (bias_corrections(count, b1, b2, finite), lr, b1, b2, 1.0 - b1, 1.0 - b2, eps)
     p_addrs, m_addrs, v_addrs = tables.addrs
-    _adamw_multi_tensor_kernel[(tables.num_blocks,)](
+    blocks = tables.blocks
+    _adamw_multi_tensor_kernel[(blocks.num_blocks,)](
         p_addrs,
         grad_addrs,
         m_addrs,
         v_addrs,
-        tables.numels,
+        blocks.numels,
         tables.wds,
-        tables.block_tensor,
-        tables.block_offset,
+        blocks.block_tensor,
+        blocks.block_offset,
         *consts,
         P_DTYPE=_TL_DTYPES[params[0].dtype],
         G_DTYPE=_TL_DTYPES[grads[0].dtype],

@@ -18,7 +18,8 @@ from torch import fx
 
 from fsg._src import tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
-from fsg._src.optim._base import GradientTransformation, apply_updates, global_norm
+from fsg._src.kernels import sum_squares
+from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
 from fsg._src.trace import epilogue, markers, purity, random, resilience
@@ -171,7 +172,9 @@ def train_step(
     grads = tree.unflatten(params_def, grad_leaves)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
-    metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": global_norm(grads)}
+    # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
+    grad_norm = sum_squares.global_norm(tree.flatten(grads)[0])
+    metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
     lr = learning_rate(opt_state)
     if lr is not None:
         metrics["lr"] = lr
