@@ -97,3 +97,24 @@ def test_a_step_with_the_op_matches_the_traced_reduction(clip):
     assert rel(ma["grad_norm"], mb["grad_norm"]) < 1e-6
     for x, y in zip(fsg._src.tree.flatten(a)[0], fsg._src.tree.flatten(b)[0]):
         assert rel(x, y) < 1e-5
+
+
+@pytest.mark.parametrize("fused_optimizer", [True, False])
+def test_under_bf16_compute_the_norm_reads_the_bf16_gradients(fused_optimizer):
+    """The gradients of parameters read in bf16 are float32 casts of bf16 tensors: the op reads
+    the bf16 tensors (no float32 copy written per parameter), and the metric is unchanged."""
+    metrics = {}
+    for fused in (True, False):
+        model = mlp()
+        step = fsg.compile_step(
+            mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-2), backend="aot_eager",
+            precision=fsg.Policy(compute=torch.bfloat16), fused_optimizer=fused_optimizer,
+        )  # fmt: skip
+        state = step.init(fsg.params(model))
+        with plain_math() if not fused else torch.no_grad():
+            if fused:
+                graph = step.lower(state, regression_batch()).graph_module.graph
+                (node,) = [n for n in graph.nodes if n.target is torch.ops.fsg.sum_squares.default]
+                assert {x.meta["val"].dtype for x in node.args[0]} == {torch.bfloat16}
+            _, metrics[fused] = step(state, regression_batch())
+    assert rel(metrics[True]["grad_norm"], metrics[False]["grad_norm"]) < 1e-6

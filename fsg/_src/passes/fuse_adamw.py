@@ -23,6 +23,7 @@ from fsg._src.errors import UnsupportedError
 from fsg._src.kernels import adamw as adamw_kernel  # noqa: F401 - registers fsg::fused_adamw_
 from fsg._src.optim._base import AdamWSpec, EmptyState, GradientTransformation, chain
 from fsg._src.optim._transforms import ScaleByAdamState, scale_by_adam, scale_by_learning_rate
+from fsg._src.passes.narrow_reads import through_views, without_upcast
 from fsg._src.passes.ordering import NodeOrder
 from fsg._src.trace import markers
 
@@ -99,59 +100,6 @@ def stand_in(spec: AdamWSpec) -> Any:
     return chain(GradientTransformation(adam.init, adam_update), *decay, scale_by_learning_rate(spec.learning_rate))
 
 
-_SAME_SHAPE_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default)
-
-
-def through_views(node: fx.Node) -> fx.Node:
-    """The node under a chain of shape-preserving views (stage 2 writes a donated leaf
-    through ``view(placeholder)``, the local tensor of a ``DTensor.from_local``)."""
-    while (
-        node.op == "call_function"
-        and node.target in _SAME_SHAPE_VIEWS
-        and isinstance(node.args[0], fx.Node)
-        and node.args[0].meta.get("val") is not None
-        and node.meta.get("val") is not None
-        and tuple(node.args[0].meta["val"].shape) == tuple(node.meta["val"].shape)
-    ):
-        node = node.args[0]
-    return node
-
-
-def _plain_cast(node: fx.Node, device: torch.device) -> bool:
-    """Whether a ``_to_copy`` node changes nothing but the dtype: the backward of a parameter's
-    cast to the compute dtype (``Policy(compute=...)``) spells out ``layout`` and ``device``;
-    ``Policy(reduce=...)``'s cast back gives only ``dtype``."""
-    extra = dict(node.kwargs)
-    extra.pop("dtype", None)
-    layout, on = extra.pop("layout", torch.strided), extra.pop("device", device)
-    return not extra and layout == torch.strided and torch.device(on) == device
-
-
-def _without_upcast(grad: fx.Node) -> fx.Node:
-    """The bf16 (or fp16) tensor under a cast of a gradient to float32 (the gradient of a
-    parameter read in bf16 under ``Policy(compute=torch.bfloat16)``, or one reduced in
-    ``Policy(reduce=torch.bfloat16)`` and cast back): the kernel reads any gradient dtype and
-    computes in float32, so it gives the same update without materializing the float32 copy
-    (a cast kernel per parameter and twice the bytes read: ~0.3 ms a step at 125M on an H200)."""
-    node = through_views(grad)
-    if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default:
-        return grad
-    source, value = node.args[0], node.meta.get("val")
-    source_value = source.meta.get("val") if isinstance(source, fx.Node) else None
-    if (
-        len(node.args) == 1
-        and value is not None
-        and source_value is not None
-        and _plain_cast(node, source_value.device)
-        and value.dtype == torch.float32
-        and source_value.dtype in (torch.bfloat16, torch.float16)
-        and source_value.shape == value.shape
-        and source_value.device == value.device
-    ):
-        return source
-    return grad
-
-
 def skip_flag(sources: list[fx.Node]) -> fx.Node | None:
     """The 0-d bool ``finite`` of the skip's ``where(finite, new, old)`` around every new value
     in ``sources``; ``None`` when no value has one. Raises ``UnsupportedError`` when only some
@@ -188,7 +136,7 @@ def fuse_adamw(gm: fx.GraphModule, at: AdamWPlan) -> int:
         shapes = {tuple(n.meta["val"].shape) for n in (placeholders[i], placeholders[m], placeholders[v], grads[k])}
         if len(shapes) != 1:  # e.g. a moment sharded unlike its param on a mesh
             raise UnsupportedError(f"fused AdamW: param {k}, its gradient and moments have local shapes {shapes}")
-    grads = {k: _without_upcast(g) for k, g in grads.items()}
+    grads = {k: without_upcast(g) for k, g in grads.items()}
     lr_copy = copies.get(placeholders[at.learning_rate])
     lr = lr_copy.args[1] if lr_copy is not None else placeholders[at.learning_rate]
     wds = at.weight_decays
