@@ -81,16 +81,17 @@ def test_cross_entropy_matches_torch_with_autograd(n, v, z, seed):
     chunk=st.integers(1, 10),
     seed=st.integers(0, 99),
 )
-def test_linear_cross_entropy_matches_torch(n, v, d, chunk, seed):
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_matches_torch(n, v, d, chunk, seed, reduction):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=g).requires_grad_()
     w = (torch.randn(v, d, generator=g) / d**0.5).requires_grad_()
     targets = torch.randint(0, v, (n,), generator=g)
     targets[0] = -100 if n > 1 else targets[0]
-    loss = fsg.nn.linear_cross_entropy(h, w, targets, chunk_size=chunk)
+    loss = fsg.nn.linear_cross_entropy(h, w, targets, chunk_size=chunk, reduction=reduction)
     loss.backward()
     h2, w2 = h.detach().requires_grad_(), w.detach().requires_grad_()
-    ref = F.cross_entropy(h2 @ w2.T, targets)
+    ref = F.cross_entropy(h2 @ w2.T, targets, reduction=reduction)
     ref.backward()
     assert rel(loss, ref) < 1e-5
     assert rel(h.grad, h2.grad) < 1e-5 and rel(w.grad, w2.grad) < 1e-5
@@ -122,6 +123,11 @@ def test_under_autocast_the_projection_runs_in_autocasts_dtype():
     assert loss.dtype == torch.float32 and torch.equal(loss, ref)
     assert h.grad.dtype == w.grad.dtype == torch.float32
     assert torch.equal(h.grad, h16.grad.float()) and torch.equal(w.grad, w16.grad.float())
+
+
+def test_an_unknown_reduction_is_refused():
+    with pytest.raises(ValueError, match="reduction must be 'mean' or 'sum', got 'none'"):
+        fsg.nn.linear_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2]), reduction="none")
 
 
 def test_no_grad_computes_the_loss_only():

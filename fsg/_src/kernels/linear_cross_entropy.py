@@ -115,6 +115,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     z_loss: float = 0.0,
     chunk_size: int | None = None,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """``cross_entropy(h @ weight.T, targets)`` without ever holding all the logits.
 
@@ -132,9 +133,11 @@ def linear_cross_entropy(
       targets: ``[...]`` class indices.
       ignore_index, z_loss: as in ``cross_entropy``.
       chunk_size: rows per chunk.
+      reduction: ``"mean"`` over the targets that are not ``ignore_index`` (0 when there are
+        none), or ``"sum"``.
 
     Returns:
-      The float32 0-d mean loss.
+      The float32 0-d loss.
 
     Example:
       >>> h, w = torch.randn(6, 4), torch.randn(10, 4)
@@ -143,6 +146,8 @@ def linear_cross_entropy(
       True
     """
     _check("linear_cross_entropy", (*h.shape[:-1], weight.shape[0]), targets)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
     if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
         raise ValueError(f"linear_cross_entropy: weight must have shape [V, {h.shape[-1]}], got {tuple(weight.shape)}")
     device_type = h.device.type
@@ -152,9 +157,11 @@ def linear_cross_entropy(
     h_ND, targets_N = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
     with_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     chunk = chunk_size or default_chunk(weight.shape[0], h.element_size())
-    if not fused_ops_enabled():
-        # On a mesh: the sum over this rank's tokens (DTensor adds the shards' sums, see
-        # dtensor_rules.py), divided by the count of all of them.
+    if reduction == "sum" or not fused_ops_enabled():
+        # On a mesh, the mean is the sum over this rank's tokens (DTensor adds the shards' sums,
+        # see dtensor_rules.py) divided by the count of all of them.
         loss_sum = linear_cross_entropy_sum(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]
+        if reduction == "sum":
+            return loss_sum
         return loss_sum / (targets_N != ignore_index).sum().clamp_min(1).to(torch.float32)
     return linear_cross_entropy_fwd(h_ND, weight, targets_N, ignore_index, float(z_loss), chunk, with_grad)[0]

@@ -119,11 +119,9 @@ class FusedLoss(TorchFunctionMode):
 
 
 def _loss(h_ND, weight, targets_N, ignore_index: int, reduction: str) -> torch.Tensor:
+    loss = lce.linear_cross_entropy(h_ND, weight, targets_N, ignore_index=ignore_index, reduction=reduction)
     if reduction == "sum":
-        with_grad = torch.is_grad_enabled() and (h_ND.requires_grad or weight.requires_grad)
-        chunk = lce.default_chunk(weight.shape[0], h_ND.element_size())
-        return lce.linear_cross_entropy_sum(h_ND, weight, targets_N, ignore_index, 0.0, chunk, with_grad)[0]
-    loss = lce.linear_cross_entropy(h_ND, weight, targets_N, ignore_index=ignore_index)
+        return loss
     counted = (targets_N != ignore_index).any()  # every target ignored: torch's mean is 0/0
     return torch.where(counted, loss, torch.full_like(loss, math.nan))
 
