@@ -15,7 +15,7 @@ import torch
 
 from fsg._src.kernels._common import capturing, in_capture_warmup, keep_alive
 
-_MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
+MAX_CACHED = 256  # entries per cache: a step on a mesh launches one update per gradient bucket
 
 
 def upload(values, dtype, device) -> torch.Tensor:
@@ -73,13 +73,13 @@ def addresses(tensors, site: tuple, held: tuple = ()) -> tuple[torch.Tensor | No
         keep_alive(captured)
         return captured.fill(tensors), captured.held
     if in_capture_warmup():
-        if sum(map(len, _FOR_CAPTURE.values())) >= _MAX_CACHED:  # warm-ups whose capture failed
+        if sum(map(len, _FOR_CAPTURE.values())) >= MAX_CACHED:  # warm-ups whose capture failed
             _FOR_CAPTURE.clear()
         _FOR_CAPTURE.setdefault(site, []).append(_ForCapture(len(tensors), device, held))
     ptrs = [t.data_ptr() for t in tensors]
     cached = _ADDRESSES.get(site)
     if cached is None or cached[0] != ptrs:
-        if len(_ADDRESSES) >= _MAX_CACHED:
+        if len(_ADDRESSES) >= MAX_CACHED:
             _ADDRESSES.clear()
         cached = _ADDRESSES[site] = (ptrs, upload(ptrs, torch.int64, device))
     return cached[1], held
@@ -96,7 +96,7 @@ def blocks(numels: list[int], block: int, device: torch.device) -> Blocks | None
     if found is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        if len(_BLOCKS) >= _MAX_CACHED:
+        if len(_BLOCKS) >= MAX_CACHED:
             _BLOCKS.clear()
         found = _BLOCKS[key] = Blocks(numels, block, device)
     return found

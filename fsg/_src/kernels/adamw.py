@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from fsg._src.kernels._common import HAS_TRITON, capturing, tl, triton, use_triton
-from fsg._src.kernels._multi_tensor import Blocks, addresses, upload
+from fsg._src.kernels._multi_tensor import MAX_CACHED, Blocks, addresses, upload
 
 # Elements per program and warps: the best of the sweep in benchmarks/kernels.py on an H200
 # (512/4: 98% of copy bandwidth; 1024/4: 82%; 4096/16: 76%).
@@ -111,7 +111,6 @@ class _Tables:
 
 
 _TABLES: dict[tuple, _Tables] = {}
-_MAX_CACHED = 256  # a step on a mesh launches one update per gradient bucket
 
 
 def _key(params, mus, nus, wds, block) -> tuple:
@@ -144,7 +143,7 @@ def launch(
     key = _key(params, mus, nus, wds, block)
     tables = _TABLES.get(key)
     if tables is None and not capturing(params[0]):  # while capturing: the warm-up's tables
-        if len(_TABLES) >= _MAX_CACHED:
+        if len(_TABLES) >= MAX_CACHED:
             _TABLES.clear()
         tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
     grad_addrs, (tables,) = addresses(grads, ("adamw", key), (tables,))
