@@ -138,9 +138,9 @@ def in_capture_warmup() -> bool:
     return _CAPTURE_WARMUP.get()
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream (of ``x``'s device)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _KEEP_ALIVE: contextvars.ContextVar[list | None] = contextvars.ContextVar("fsg_graph_keep_alive", default=None)

@@ -65,7 +65,7 @@ def addresses(tensors, site: tuple, held: tuple = ()) -> tuple[torch.Tensor | No
     tables that warm-up held, both kept alive with the graph; ``(None, held)`` when no warm-up
     set one aside (the caller then launches without tables)."""
     device = tensors[0].device
-    if capturing(tensors[0]):
+    if capturing(device):
         waiting = _FOR_CAPTURE.get(site)
         if not waiting:
             return None, held
@@ -94,7 +94,7 @@ def blocks(numels: list[int], block: int, device: torch.device) -> Blocks | None
     key = (tuple(numels), block, device)
     found = _BLOCKS.get(key)
     if found is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             return None
         if len(_BLOCKS) >= MAX_CACHED:
             _BLOCKS.clear()

@@ -142,7 +142,7 @@ def launch(
         return
     key = _key(params, mus, nus, wds, block)
     tables = _TABLES.get(key)
-    if tables is None and not capturing(params[0]):  # while capturing: the warm-up's tables
+    if tables is None and not capturing(params[0].device):  # while capturing: the warm-up's tables
         if len(_TABLES) >= MAX_CACHED:
             _TABLES.clear()
         tables = _TABLES[key] = _Tables(params, mus, nus, wds, block)
