@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # torchao's float8 training recipes the baselines may run, by implementation name
@@ -48,6 +49,6 @@ def profile_table(step, sync, path: Path, steps: int = 3) -> None:
         for i in range(steps):
             step(i)
         sync()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=int(os.environ.get("FSG_PROFILE_ROWS", "60")), max_name_column_width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} steps\n{table}\n")

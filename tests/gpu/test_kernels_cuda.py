@@ -36,6 +36,23 @@ def test_linear_cross_entropy_cuda(dtype, n, v, d):
     assert rel(h.grad, h64.grad) < TOL[dtype] and rel(w.grad, w64.grad) < TOL[dtype]
 
 
+def test_linear_cross_entropy_chunks_sum_the_weight_gradient_in_float32_cuda():
+    """Over several chunks the bf16 weight gradient is rounded once, from a float32 sum (the
+    GEMMs write float32 and add into it): it equals the one-chunk gradient to bf16 rounding."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, v, d = 4096, 8192, 256
+    h = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, generator=g) / d**0.5
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    grads = []
+    for chunk in (n, 1000):
+        w_ = w.clone().requires_grad_()
+        fsg.nn.linear_cross_entropy(h, w_, t, chunk_size=chunk).backward()
+        grads.append(w_.grad.float())
+    one, chunked = grads
+    assert ((chunked - one).abs() <= 2**-7 * one.abs() + 1e-12).float().mean() > 0.999
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_on_logits_cuda(dtype):
     x = (torch.randn(777, 50304, device="cuda") * 4).to(dtype).requires_grad_()
@@ -143,3 +160,20 @@ def test_compiled_step_on_cuda_uses_the_fused_optimizer_by_default():
     # Inductor step itself was 1.2e-5 away from the same step under aot_eager after 5 steps)
     for a, b in zip(fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(plain_state)[0]):
         assert rel(a, b) < 5e-5
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_grad_ops_cuda(approximate):
+    """The MLP's GELU gradient and a qkv gradient's concatenation in bf16 with their column
+    sums (``kernels/bias_grad.py``): ``g`` as aten writes it, the sums of ``g`` as written."""
+    from fsg._src.kernels import bias_grad as B
+
+    g_ = torch.Generator(device="cuda").manual_seed(0)
+    dy, h = (torch.randn(4, 1000, 3072, device="cuda", generator=g_, dtype=torch.bfloat16) for _ in range(2))
+    g, colsum = B.gelu_backward_colsum(dy, h, approximate)
+    ref = torch.ops.aten.gelu_backward.default(dy, h, approximate=approximate)
+    assert rel(g.float(), ref.float()) < 1e-2 and rel(colsum, g.float().reshape(-1, 3072).sum(0)) < 1e-5
+    xs = [torch.randn(4, 12, 1000, 64, device="cuda", generator=g_, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    c, colsum = B.cat_colsum([x.reshape(4, 1000, 768) if x.is_contiguous() else x.flatten(2) for x in xs])
+    ref = torch.cat([x.flatten(2) for x in xs], -1)
+    assert torch.equal(c, ref) and rel(colsum, ref.float().reshape(-1, 2304).sum(0)) < 1e-5

@@ -88,12 +88,12 @@ def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
 def _rowwise_fp8_kernel(
     x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, amax_rows, M, C,
     s0, s1, s2, fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
-    COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = True,
 ):  # fmt: skip
     """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
-    stride ``s_i``), produced and cast row by row to FP8 with their inverse scales; ``g``
-    itself stored when ``WRITE_G``; one float32 row of column sums per program when
-    ``COLSUM``; the column maxima of ``|g|`` folded into ``amax_rows`` zeroed rows when
+    stride ``s_i``), produced and, when ``QUANT``, cast row by row to FP8 with their inverse
+    scales; ``g`` itself stored when ``WRITE_G``; one float32 row of column sums per program
+    when ``COLSUM``; the column maxima of ``|g|`` folded into ``amax_rows`` zeroed rows when
     ``COLAMAX``."""
     pid = tl.program_id(0)
     N = C * PIECES
@@ -116,20 +116,23 @@ def _rowwise_fp8_kernel(
             g2 = _produce(x2_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
             amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=1))
         scale = (1.0 / tl.maximum(amax, eps)) * fp8_max
-        tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
-        _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)
+        if QUANT:
+            tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
+            _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)
         if COLSUM:
             colsum0 += tl.sum(g0, axis=0)
         if COLAMAX:  # (masked elements are 0: they leave a maximum of |g| as it is)
             colamax0 = tl.maximum(colamax0, tl.max(tl.abs(g0), axis=0))
         if PIECES > 1:
-            _store_fp8(q_ptr, g1, scale, rows, row_ok, cols, C, N, C, fp8_max)
+            if QUANT:
+                _store_fp8(q_ptr, g1, scale, rows, row_ok, cols, C, N, C, fp8_max)
             if COLSUM:
                 colsum1 += tl.sum(g1, axis=0)
             if COLAMAX:
                 colamax1 = tl.maximum(colamax1, tl.max(tl.abs(g1), axis=0))
         if PIECES > 2:
-            _store_fp8(q_ptr, g2, scale, rows, row_ok, cols, C, N, 2 * C, fp8_max)
+            if QUANT:
+                _store_fp8(q_ptr, g2, scale, rows, row_ok, cols, C, N, 2 * C, fp8_max)
             if COLSUM:
                 colsum2 += tl.sum(g2, axis=0)
             if COLAMAX:
@@ -204,13 +207,16 @@ def launch(
     ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose maximum
     becomes the column maxima of ``|g|``. ``q_MN`` is
     scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
-    docstring)."""
+    docstring); ``q_MN`` and ``inv_M`` ``None`` for no cast at all (``kernels/bias_grad.py``:
+    the rows and their column sums only)."""
     M, C = xs[0].shape
     assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
     assert h_MC is None or h_MC.stride() == xs[0].stride()
     t = t or tiling(M, C, producer, len(xs))
+    quant = q_MN is not None
     strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
     x0 = xs[0]
+    q_MN, inv_M = (x0, x0) if q_MN is None else (q_MN, inv_M)  # unused where not QUANT
     _rowwise_fp8_kernel[(t.programs,)](
         x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
         q_MN, inv_M, *(q_MN if p is None else p for p in (colsum_part_PN, colamax_part_PN)),
@@ -218,5 +224,5 @@ def launch(
         float(torch.finfo(E4M3).max), EPS,
         PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None,
         COLSUM=colsum_part_PN is not None, COLAMAX=colamax_part_PN is not None,
-        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, QUANT=quant, num_warps=t.num_warps,
     )  # fmt: skip

@@ -4,9 +4,9 @@ API, built on the row kernels of ``cross_entropy.py``.
 Shape legend: N rows (tokens), V vocabulary, D hidden width, C rows per chunk.
 ``linear_cross_entropy`` walks the tokens in chunks of C rows, computes the chunk's logits
 (``h_C @ W.T``, in h's dtype), the loss and, in the same visit, the logits' gradient in place,
-then ``dh_C = dlogits @ W`` and ``dW += dlogits.T @ h_C`` (float32 accumulator). Only one
-chunk of logits ever exists; the backward just scales ``dh`` and ``dW`` by the incoming
-gradient. Two ops share the math: the mean over the rows (one device) and their sum (a mesh,
+then ``dh_C = dlogits @ W`` and ``dW += dlogits.T @ h_C`` (float32 accumulator, written by the
+GEMM itself on CUDA). Only one chunk of logits ever exists; the backward just scales ``dh``
+and ``dW`` by the incoming gradient. Two ops share the math: the mean over the rows (one device) and their sum (a mesh,
 where ``dtensor_rules.py`` lets DTensor add the shards' sums).
 """
 
@@ -48,15 +48,32 @@ def _linear_ce(h, weight, targets, ignore_index: int, z_loss: float, chunk: int,
             logits_CV, targets[rows], drow[: logits_CV.shape[0]], ignore_index, z_loss
         )
         torch.mm(logits_CV, weight, out=dh[rows])
-        dw_chunk = logits_CV.T @ h[rows]
-        if dw32 is None:  # one chunk (the common case): no float32 accumulator at all
-            dw32 = dw_chunk if start + chunk >= N else dw_chunk.float()
-        else:
-            dw32 += dw_chunk.float()
+        dw32 = _add_weight_grad(dw32, logits_CV.T, h[rows], last=start + chunk >= N)
     if with_grad and dw32 is None:  # no rows at all (an empty shard)
         dw32 = torch.zeros_like(weight)
     dw = dw32.to(weight.dtype) if with_grad else weight.new_empty(0)
     return loss_N.sum() * scale, dh, dw
+
+
+def _add_weight_grad(dw32, dlogits_VC, h_CD, last: bool):
+    """``dw32 + dlogits_VC @ h_CD``: the weight gradient summed over the chunks in float32.
+    The first chunk starts it (in the inputs' dtype when it is the only one: no float32
+    accumulator at all). On CUDA, 16-bit GEMMs write float32 and add into the accumulator
+    themselves (``out_dtype``: no float32 copy of each chunk's gradient, no separate add)."""
+    if dw32 is None and last:
+        return dlogits_VC @ h_CD
+    if _float32_out(h_CD):
+        if dw32 is None:
+            return torch.mm(dlogits_VC, h_CD, out_dtype=torch.float32)
+        return torch.addmm(dw32, dlogits_VC, h_CD, out_dtype=torch.float32, out=dw32)
+    dw_chunk = (dlogits_VC @ h_CD).float()
+    return dw_chunk if dw32 is None else dw32.add_(dw_chunk)
+
+
+def _float32_out(h: torch.Tensor) -> bool:
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` runs for ``h``: 16-bit inputs on CUDA
+    (the CPU build has no kernel for it)."""
+    return h.is_cuda and h.dtype in (torch.bfloat16, torch.float16)
 
 
 def _linear_ce_op(name: str, mean: bool):

@@ -16,7 +16,17 @@ from typing import Any, Callable, NamedTuple
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import buckets, defer, float8, fuse_adamw, narrow_reads, prefetch, run_pass, update_on_arrival
+from fsg._src.passes import (
+    buckets,
+    defer,
+    float8,
+    fuse_adamw,
+    fuse_bias_grads,
+    narrow_reads,
+    prefetch,
+    run_pass,
+    update_on_arrival,
+)
 from fsg._src.trace import markers
 
 
@@ -51,6 +61,10 @@ PASSES = (
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
     # the global norm reads bf16 gradients, not float32 casts of them (one device: no mesh)
     Pass("narrow_reads", lambda gm, o: narrow_reads.narrow_reads(gm), lambda o: not o.on_mesh, after=("fuse_adamw",)),
+    # a bias gradient summed where its GELU gradient or qkv concatenation is written (one
+    # device; after float8, which fuses those producers with their FP8 casts instead)
+    Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm), lambda o: not o.on_mesh,
+         after=("float8",)),  # fmt: skip
     # the gathers' buckets first: they fix where the forward reads each parameter
     Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
          lambda o: o.bucketing, after=("float8", "strip_markers")),  # fmt: skip
