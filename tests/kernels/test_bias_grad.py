@@ -97,3 +97,13 @@ def test_the_pass_leaves_float32_graphs_producers_without_bias_grads_and_plain_m
     assert P.fuse_bias_grads(no_sums) == 0
     with plain_math():
         assert P.fuse_bias_grads(make_fx(_block)(*_inputs(torch.bfloat16))) == 0
+
+
+def test_the_pipeline_runs_the_pass_only_when_it_is_on(monkeypatch):
+    from fsg._src.passes import pipeline
+
+    on_one_device = [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
+    assert ("fuse_bias_grads" in on_one_device) == P.ENABLED
+    monkeypatch.setattr(P, "ENABLED", True)
+    assert [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())][-1] == "fuse_bias_grads"
+    assert "fuse_bias_grads" not in [p.name for p in pipeline.PASSES if p.applies(pipeline.Options(on_mesh=True))]

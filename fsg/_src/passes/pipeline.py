@@ -62,9 +62,10 @@ PASSES = (
     # the global norm reads bf16 gradients, not float32 casts of them (one device: no mesh)
     Pass("narrow_reads", lambda gm, o: narrow_reads.narrow_reads(gm), lambda o: not o.on_mesh, after=("fuse_adamw",)),
     # a bias gradient summed where its GELU gradient or qkv concatenation is written (one
-    # device; after float8, which fuses those producers with their FP8 casts instead)
-    Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm), lambda o: not o.on_mesh,
-         after=("float8",)),  # fmt: skip
+    # device, when ENABLED: measured slower, off; after float8, which fuses those producers
+    # with their FP8 casts instead)
+    Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm),
+         lambda o: not o.on_mesh and fuse_bias_grads.ENABLED, after=("float8",)),  # fmt: skip
     # the gathers' buckets first: they fix where the forward reads each parameter
     Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
          lambda o: o.bucketing, after=("float8", "strip_markers")),  # fmt: skip
