@@ -22,19 +22,13 @@ import triton
 import triton.language as tl
 
 from fsg._src.kernels import cross_entropy as ce
-from fsg._src.kernels.cross_entropy import _row_grad, _row_loss, _row_lse
+from fsg._src.kernels.cross_entropy import _row_fwd_bwd, _row_loss
 
 
 @triton.jit
 def _persistent(x_ptr, stride, t_ptr, loss_ptr, drow_ptr, N, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr):
     for r in range(tl.program_id(0), N, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)
-        base = x_ptr + row * stride
-        t = tl.load(t_ptr + row)
-        lse = _row_lse(base, V, BLOCK)
-        tl.store(loss_ptr + row, _row_loss(base, t, lse, ignore_index, z_loss, V))
-        scale = tl.where(t != ignore_index, tl.load(drow_ptr + row), 0.0)
-        _row_grad(base, base, t, lse, scale, z_loss, V, BLOCK)
+        _row_fwd_bwd(x_ptr, stride, t_ptr, loss_ptr, drow_ptr, tl.cast(r, tl.int64), ignore_index, z_loss, V, BLOCK)
 
 
 @triton.jit

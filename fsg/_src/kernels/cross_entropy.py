@@ -90,7 +90,11 @@ def _ce_fwd_bwd_kernel(
 ):
     """The forward and, in place, the backward of one row: its logits become their gradient
     (the second pass re-reads the row, partly from L2)."""
-    row = tl.program_id(0).to(tl.int64)
+    _row_fwd_bwd(x_ptr, stride, t_ptr, loss_ptr, drow_ptr, tl.program_id(0).to(tl.int64), ignore_index, z_loss, V, BLOCK)
+
+
+@triton.jit
+def _row_fwd_bwd(x_ptr, stride, t_ptr, loss_ptr, drow_ptr, row, ignore_index, z_loss, V: tl.constexpr, BLOCK: tl.constexpr):
     base = x_ptr + row * stride
     t = tl.load(t_ptr + row)
     lse = _row_lse(base, V, BLOCK)
