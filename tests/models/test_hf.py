@@ -25,24 +25,25 @@ def test_five_steps_equal_eager_pytorch_with_adamw(kind):
     state = step.init(fsg.params(model))
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     named = dict(reference.named_parameters())  # tied weights appear once, as in fsg.params
-    largest_grad = dict.fromkeys(named, 0.0)
+    largest_grad = {name: torch.zeros_like(p) for name, p in named.items()}  # element by element
     for i, batch in enumerate(hf_models.batches(STEPS, kind=kind)):
         state, metrics = step(state, batch)
         opt.zero_grad()
         loss = reference(**batch).loss
         loss.backward()
         for name, p in named.items():
-            largest_grad[name] = max(largest_grad[name], float(p.grad.abs().max()))
+            largest_grad[name] = torch.maximum(largest_grad[name], p.grad.abs())
         opt.step()
         torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i + 1}")
     assert sorted(state.params) == sorted(named)
     for name, value in state.params.items():
-        if largest_grad[name] < 1e-6:
-            # Zero in exact arithmetic (a key projection's bias: softmax ignores a constant per
-            # query), so AdamW normalizes rounding noise on both sides: bounded by its step size.
-            assert float((value - named[name].detach()).abs().max()) <= 2 * LR * STEPS, name
-            continue
-        torch.testing.assert_close(value, named[name].detach(), rtol=1e-4, atol=1e-5, msg=name)
+        # A gradient zero in exact arithmetic (a key projection's bias: softmax ignores a constant
+        # per query; inside a fused qkv bias too, as GPT-NeoX's) is rounding noise that AdamW
+        # normalizes on both sides: those elements are bounded by its step size, the rest tight.
+        noise = largest_grad[name] < 1e-6
+        want = named[name].detach()
+        assert float((value - want).abs().where(noise, 0.0).max()) <= 2 * LR * STEPS, name
+        torch.testing.assert_close(value[~noise], want[~noise], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("kind", hf_models.KINDS)
