@@ -25,6 +25,7 @@ import math
 import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
+from fsg._src.kernels.float8_cast import _rows_of
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import launch
 
@@ -37,12 +38,6 @@ def tiling(M: int, C: int) -> RowTiling:
     """One row a tile, ``PROGRAMS`` programs walking the rows, a warp per 512 columns (4 to 16)."""
     block = max(1, 1 << (max(C, 1) - 1).bit_length())
     return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)), num_warps=min(16, max(4, block // 512)))
-
-
-def _rows_of(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[M, C]`` rows with unit column stride: a view where its strides allow."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(1) == 1 or rows.shape[1] <= 1 else rows.contiguous()
 
 
 def _colsum_reference(g: torch.Tensor) -> torch.Tensor:

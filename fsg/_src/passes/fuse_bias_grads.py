@@ -22,12 +22,13 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.kernels import bias_grad
+from fsg._src.kernels import bias_grad  # noqa: F401 - registers the fused ops
 from fsg._src.kernels._common import fused_ops_enabled, use_triton
+from fsg._src.passes import float8_fuse
 
 aten = torch.ops.aten
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-GELU_BACKWARD, CAT, SUM_DIM = aten.gelu_backward.default, aten.cat.default, aten.sum.dim_IntList
+GELU_BACKWARD, CAT = float8_fuse.GELU_BACKWARD, float8_fuse.CAT
 GELU_BACKWARD_COLSUM = torch.ops.fsg.gelu_backward_colsum.default
 CAT_COLSUM = torch.ops.fsg.cat_colsum.default
 # Off by default: measured slower. GPT-2 124M on an H200 (2026-12-03, benchmarks/gpt.py's
@@ -75,8 +76,9 @@ def fuse_bias_grads(gm: fx.GraphModule) -> int:
 
 
 def _fused_args(node: fx.Node) -> tuple | None:
-    """The fused op's arguments for ``node``, or ``None`` where the kernel does not cover it:
-    16-bit contiguous ``[..., N]`` results on a device the kernel runs on."""
+    """The fused op's arguments for ``node`` (those of the float8 pass's fused producers), or
+    ``None`` where the kernel does not cover it: a GELU gradient or a concatenation of row
+    pieces with 16-bit contiguous ``[..., N]`` results, on a device the kernel runs on."""
     if node.op != "call_function" or node.target not in (GELU_BACKWARD, CAT):
         return None
     val = node.meta.get("val")
@@ -84,22 +86,9 @@ def _fused_args(node: fx.Node) -> tuple | None:
         return None
     if not val.is_contiguous() or not val.numel() or not use_triton(val):
         return None
-    if node.target is GELU_BACKWARD:
-        dy, h = node.args[:2]
-        approximate = node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
-        if approximate not in bias_grad.APPROXIMATIONS or not all(isinstance(v, fx.Node) for v in (dy, h)):
-            return None
-        vals = [v.meta.get("val") for v in (dy, h)]
-        if any(v is None or v.shape != val.shape or v.dtype != val.dtype or not v.is_contiguous() for v in vals):
-            return None
-        return (dy, h, approximate)
-    pieces, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if dim % val.dim() != val.dim() - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
-        return None
-    vals = [p.meta.get("val") if isinstance(p, fx.Node) else None for p in pieces]
-    if any(v is None or v.shape != vals[0].shape or v.dtype != val.dtype or v.stride(-1) != 1 for v in vals):
-        return None
-    return (list(pieces),)
+    args = float8_fuse.fused_args(node)
+    inputs = args[:2] if node.target is GELU_BACKWARD else args[0] if args else ()
+    return args if args and all(x.meta["val"].dtype == val.dtype for x in inputs) else None
 
 
 def _row_views(node: fx.Node) -> list[fx.Node]:
@@ -111,11 +100,4 @@ def _row_views(node: fx.Node) -> list[fx.Node]:
 
 def _column_sums(rows: fx.Node) -> list[fx.Node]:
     """The users of ``rows`` (2-D) that sum its columns in its own dtype: ``sum(rows, [0])``."""
-    if rows.meta["val"].dim() != 2:
-        return []
-
-    def sums_columns(user: fx.Node) -> bool:
-        dims = user.args[1] if len(user.args) > 1 else None
-        return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None
-
-    return [user for user in rows.users if sums_columns(user)]
+    return float8_fuse.column_sums(rows) if rows.meta["val"].dim() == 2 else []
