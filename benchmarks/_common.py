@@ -42,13 +42,14 @@ def byte_windows(data: bytes, n: int, batch: int, seq: int, seed: int, device: s
 
 def profile_table(step, sync, path: Path, steps: int = 3) -> None:
     """A CUDA-time table of ``steps`` more calls of ``step(i)`` (torch.profiler), top kernels
-    first, written to ``path``."""
+    first, written to ``path``: the costliest 60 rows, or ``FSG_PROFILE_ROWS`` from the environment."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(i)
         sync()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=int(os.environ.get("FSG_PROFILE_ROWS", "60")), max_name_column_width=90)
+    rows = int(os.environ.get("FSG_PROFILE_ROWS", "60"))
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} steps\n{table}\n")

@@ -35,9 +35,9 @@ PROGRAMS = 512
 
 
 def tiling(M: int, C: int) -> RowTiling:
-    """One row a tile, ``PROGRAMS`` programs walking the rows, a warp per 512 columns (4 to 16)."""
-    block = max(1, 1 << (max(C, 1) - 1).bit_length())
-    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)), num_warps=min(16, max(4, block // 512)))
+    """One row a tile, ``PROGRAMS`` programs walking the rows (``RowTiling``'s warps: one per
+    512 columns, 4 to 16)."""
+    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / PROGRAMS)))
 
 
 def _colsum_reference(g: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ Shape legend: N rows (tokens), V vocabulary, D hidden width, C rows per chunk.
 (``h_C @ W.T``, in h's dtype), the loss and, in the same visit, the logits' gradient in place,
 then ``dh_C = dlogits @ W`` and ``dW += dlogits.T @ h_C`` (float32 accumulator, written by the
 GEMM itself on CUDA). Only one chunk of logits ever exists; the backward just scales ``dh``
-and ``dW`` by the incoming gradient. Two ops share the math: the mean over the rows (one device) and their sum (a mesh,
-where ``dtensor_rules.py`` lets DTensor add the shards' sums).
+and ``dW`` by the incoming gradient. Two ops share the math: the mean over the rows (one
+device) and their sum (a mesh, where ``dtensor_rules.py`` lets DTensor add the shards' sums).
 """
 
 from __future__ import annotations
