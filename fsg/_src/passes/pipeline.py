@@ -22,6 +22,7 @@ from fsg._src.passes import (
     float8,
     fuse_adamw,
     fuse_bias_grads,
+    gemm_epilogues,
     narrow_reads,
     prefetch,
     run_pass,
@@ -61,11 +62,15 @@ PASSES = (
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
     # the global norm reads bf16 gradients, not float32 casts of them (one device: no mesh)
     Pass("narrow_reads", lambda gm, o: narrow_reads.narrow_reads(gm), lambda o: not o.on_mesh, after=("fuse_adamw",)),
+    # an MLP's tanh GELU, its gradient and bias gradient in cuBLASLt's GEMM epilogues (one
+    # device; after float8, which takes the matmuls it converts and their GELUs first)
+    Pass("gemm_epilogues", lambda gm, o: gemm_epilogues.gemm_epilogues(gm),
+         lambda o: not o.on_mesh and gemm_epilogues.ENABLED, after=("float8",)),  # fmt: skip
     # a bias gradient summed where its GELU gradient or qkv concatenation is written (one
     # device, when ENABLED: measured slower, off; after float8, which fuses those producers
-    # with their FP8 casts instead)
+    # with their FP8 casts instead, and gemm_epilogues, which sums the GELU's in its GEMM)
     Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm),
-         lambda o: not o.on_mesh and fuse_bias_grads.ENABLED, after=("float8",)),  # fmt: skip
+         lambda o: not o.on_mesh and fuse_bias_grads.ENABLED, after=("float8", "gemm_epilogues")),  # fmt: skip
     # the gathers' buckets first: they fix where the forward reads each parameter
     Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
          lambda o: o.bucketing, after=("float8", "strip_markers")),  # fmt: skip

@@ -1,0 +1,187 @@
+"""Stage 3 graph pass: an MLP's tanh GELU, its gradient and its bias gradient inside the GEMMs.
+
+The joint graph of ``fc2(gelu(fc1(x), approximate="tanh"))`` holds, for the up-projection
+``fc1`` (shapes: M rows, K in, N out of ``fc1``)::
+
+    h = addmm(b, x_MK, w_t)           # [M, N], maybe viewed as [B, T, N]
+    a = gelu(h, approximate="tanh")
+    ...
+    da = mm(g, w2)                    # fc2's grad-input, [M, N]
+    dh = gelu_backward(da, h, approximate="tanh")
+    db = sum(dh_MN, [0])              # fc1's bias gradient
+
+``gemm_epilogues`` rewrites the forward pair as ``fsg::linear_gelu`` (``kernels/linear_gelu.py``:
+cuBLASLt's ``GELU_AUX_BIAS`` epilogue), so no kernel of its own reads ``h`` back to write
+``a``; with ``FUSE_BACKWARD`` (off: measured slower, below) also the backward triple as
+``fsg::mm_gelu_backward`` (``DGELU_BGRAD``).
+Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
+unit ``alpha``/``beta``, an ``mm`` read only by the GELU gradient, dims in multiples of 8,
+the tensors on CUDA (``FORCE`` extends it to CPU, where the ops run the aten ops they replace:
+how the CPU tests check the rewrite). One device (not on a mesh), after the float8 pass, which
+takes the matmuls it converts and their GELUs first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import operator
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private
+from fsg._src.kernels import linear_gelu  # noqa: F401 - registers the ops
+from fsg._src.kernels._common import fused_ops_enabled
+from fsg._src.passes import float8_fuse
+
+aten = torch.ops.aten
+_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+LINEAR_GELU, MM_GELU_BACKWARD = torch.ops.fsg.linear_gelu.default, torch.ops.fsg.mm_gelu_backward.default
+_DTYPES = (torch.bfloat16, torch.float16)
+# On by default where it applies; benchmarks/gpt.py's fsg-noepilogue turns it off for the A/B.
+ENABLED = True
+# The backward half is off: measured slower. On the H200 (torch 2.11, cuBLASLt 13) the
+# DGELU_BGRAD GEMM runs as the plain GEMM plus a generic epilogue kernel
+# (cublasLt::epilogue::impl::globalKernel, 322 us a call at GPT-2 124M's [16384, 3072]),
+# against 80 + 33 us for Inductor's GELU-gradient and bias-sum kernels: GPT-2 124M's step
+# took 33.34 ms with both halves against 31.71 ms with neither (RESULTS.md, 2026-12-04).
+FUSE_BACKWARD = False
+_FORCE = contextvars.ContextVar("fsg_gemm_epilogues_force", default=False)
+
+
+@contextlib.contextmanager
+def force():
+    """Within this context the pass also rewrites CPU graphs (the ops then run their aten
+    references): for tests of the rewrite on a machine without a GPU."""
+    token = _FORCE.set(True)
+    try:
+        yield
+    finally:
+        _FORCE.reset(token)
+
+
+def gemm_epilogues(gm: fx.GraphModule) -> int:
+    """Rewrites each tanh GELU fed by a bias ``addmm`` and each tanh GELU gradient fed by an
+    ``mm`` (see the module docstring). Returns how many GEMMs took an epilogue."""
+    if not fused_ops_enabled():
+        return 0
+    fused, rewriter = 0, _Rewriter(gm.graph)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or _approximate(node) != "tanh":
+            continue
+        if node.target is float8_fuse.GELU:
+            fused += rewriter.forward(node)
+        elif node.target is float8_fuse.GELU_BACKWARD and FUSE_BACKWARD:
+            fused += rewriter.backward(node)
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+def _approximate(node: fx.Node) -> str | None:
+    if node.target is float8_fuse.GELU:
+        return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    if node.target is float8_fuse.GELU_BACKWARD:
+        return node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
+    return None
+
+
+def _through_view(node: fx.Node, target) -> fx.Node | None:
+    """``node`` itself if it is a ``target`` call, or the ``target`` call it flattens or
+    unflattens (one view that keeps the last dim)."""
+    if node.op == "call_function" and node.target in _FLATTENS and isinstance(node.args[0], fx.Node):
+        src = node.args[0]
+        if src.meta["val"].shape[-1] == node.meta["val"].shape[-1]:
+            node = src
+    return node if node.op == "call_function" and node.target is target else None
+
+
+def _eligible(*nodes: fx.Node) -> bool:
+    vals = [n.meta.get("val") for n in nodes]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    dtype, device = vals[0].dtype, vals[0].device
+    return (
+        dtype in _DTYPES and all(v.dtype == dtype and v.device == device for v in vals)
+        and (device.type == "cuda" or _FORCE.get())
+        and all(d % 8 == 0 and d > 0 for v in vals for d in v.shape[-2:])
+    )  # fmt: skip
+
+
+def _layout_ok(t: torch.Tensor) -> bool:
+    """Row- or column-major 2-D, as cuBLASLt takes its operands (``cublaslt._operand``)."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.stride(0) == 1)
+
+
+class _Rewriter:
+    def __init__(self, graph: fx.Graph):
+        self.graph, self.mode = graph, _torch_private.fake_mode()
+
+    def call(self, target, args: tuple) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        node.meta["val"] = _torch_private.fake_result(self.mode, target, args)
+        return node
+
+    def outputs(self, op: fx.Node) -> tuple[fx.Node, fx.Node]:
+        a, b = (self.graph.call_function(operator.getitem, (op, i)) for i in (0, 1))
+        a.meta["val"], b.meta["val"] = op.meta["val"]
+        return a, b
+
+    def shaped(self, t: fx.Node, like: fx.Node) -> fx.Node:
+        """``t`` viewed with ``like``'s shape (``t`` itself when they agree)."""
+        shape = list(like.meta["val"].shape)
+        return t if list(t.meta["val"].shape) == shape else self.call(aten.view.default, (t, shape))
+
+    def forward(self, gelu: fx.Node) -> int:
+        """``gelu(addmm(b, x, w_t))`` -> ``linear_gelu(x, w_t, b)``."""
+        addmm = _through_view(gelu.args[0], aten.addmm.default)
+        if addmm is None or addmm.kwargs or len(addmm.args) != 3:
+            return 0
+        bias, x, w_t = addmm.args
+        if not all(isinstance(n, fx.Node) for n in (bias, x, w_t)) or not _eligible(x, w_t, addmm):
+            return 0
+        if bias.meta["val"].shape != (w_t.meta["val"].shape[1],) or bias.meta["val"].dtype != x.meta["val"].dtype:
+            return 0
+        if not (_layout_ok(x.meta["val"]) and _layout_ok(w_t.meta["val"])):
+            return 0
+        with self.graph.inserting_before(addmm):
+            y, h = self.outputs(self.call(LINEAR_GELU, (x, w_t, bias)))
+            y = self.shaped(y, gelu)
+        addmm.replace_all_uses_with(h)
+        gelu.replace_all_uses_with(y)
+        _erase(gelu, addmm)
+        return 1
+
+    def backward(self, gelu_backward: fx.Node) -> int:
+        """``gelu_backward(mm(g, w), h)`` and the sums of its columns -> ``mm_gelu_backward(g, w, h)``."""
+        grad, h = gelu_backward.args[:2]
+        mm = _through_view(grad, aten.mm.default)
+        if mm is None or not isinstance(h, fx.Node) or len(mm.users) != 1 or grad is not mm and len(grad.users) != 1:
+            return 0
+        g, w = mm.args
+        if not _eligible(g, w, mm) or not (_layout_ok(g.meta["val"]) and _layout_ok(w.meta["val"])):
+            return 0
+        if h.meta["val"].dtype != mm.meta["val"].dtype or not h.meta["val"].is_contiguous():
+            return 0
+        with self.graph.inserting_before(gelu_backward):
+            dh, dbias = self.outputs(self.call(MM_GELU_BACKWARD, (g, w, h)))
+            out = self.shaped(dh, gelu_backward)
+        gelu_backward.replace_all_uses_with(out)
+        _erase(gelu_backward, grad, mm)
+        for rows in [dh] + [u for u in out.users if u.target in _FLATTENS and u.meta["val"].shape == dh.meta["val"].shape]:
+            for user in float8_fuse.column_sums(rows):
+                if user.meta["val"].dtype != dh.meta["val"].dtype:
+                    continue
+                with self.graph.inserting_before(user):
+                    user.replace_all_uses_with(self.shaped(dbias, user))
+                _erase(user)
+        return 1
+
+
+def _erase(*nodes: fx.Node) -> None:
+    """Erases each of ``nodes`` (in order) that nothing reads any more."""
+    for node in dict.fromkeys(nodes):
+        if not node.users:
+            node.graph.erase_node(node)

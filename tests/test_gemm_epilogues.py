@@ -1,0 +1,198 @@
+"""The ``gemm_epilogues`` pass (``passes/gemm_epilogues.py``) and its ops
+(``kernels/linear_gelu.py``) on CPU.
+
+Off CUDA the ops run the aten ops they replace, so a rewritten graph must compute exactly what
+the original did: the rewrite is checked bit for bit on traced MLP graphs over drawn shapes and
+on whole GPT steps, and every case the pass must leave alone is checked to be left alone. The
+cuBLASLt epilogues themselves are checked on the GPU (tests/gpu/test_linear_gelu_cuda.py)."""
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fsg
+from fsg._src.kernels import linear_gelu as L
+from fsg._src.passes import gemm_epilogues as P
+from fsg._src.passes import pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+
+aten = torch.ops.aten
+BF16 = torch.bfloat16
+
+
+def _randn(*shape, seed=0, dtype=BF16, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _mlp_joint(approximate="tanh", bias=True, alpha=1):
+    """An MLP block's loss and gradients, as one traced joint graph:
+    ``fc2(gelu(fc1(x)))`` with ``x`` of ``[B, T, D]``."""
+
+    def step(x, w1, b1, w2, b2, c):
+        args = [t.detach().requires_grad_(i in (1, 2, 3)) for i, t in enumerate((x, w1, b1, w2, b2, c))]
+        x, w1, b1, w2, b2, c = args
+        if alpha == 1:
+            h = F.linear(x, w1, b1 if bias else None)
+        else:
+            h = torch.addmm(b1, x.flatten(0, -2), w1.t(), alpha=alpha).view(*x.shape[:-1], -1)
+        y = F.linear(F.gelu(h, approximate=approximate), w2, b2)
+        loss = (y.float() * c.float()).sum()
+        return (loss.detach(), *torch.autograd.grad(loss, [w1, b1, w2], allow_unused=True))
+
+    return step
+
+
+def _inputs(B, T, D, H, dtype=BF16):
+    return [_randn(B, T, D, seed=1, dtype=dtype), _randn(H, D, seed=2, dtype=dtype, scale=D**-0.5),
+            _randn(H, seed=3, dtype=dtype), _randn(D, H, seed=4, dtype=dtype, scale=H**-0.5),
+            _randn(D, seed=5, dtype=dtype), _randn(B, T, D, seed=6, dtype=dtype)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def both_halves():
+    """The pass's backward half on too (``FUSE_BACKWARD``, off by default: measured slower)."""
+    old, P.FUSE_BACKWARD = P.FUSE_BACKWARD, True
+    try:
+        yield
+    finally:
+        P.FUSE_BACKWARD = old
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4).map(lambda t: 8 * t), st.sampled_from([8, 16, 32]), st.sampled_from([8, 32, 64]))
+def test_the_rewritten_mlp_computes_exactly_what_it_did(B, T, D, H):
+    """Forward and backward become one op each; the bias gradient of ``fc1`` reads the op's;
+    the loss and every gradient are the original graph's bit for bit (the ops' CPU path)."""
+    inputs = _inputs(B, T, D, H)
+    gm = make_fx(_mlp_joint())(*inputs)
+    want = gm(*inputs)
+    with P.force(), both_halves():
+        assert P.gemm_epilogues(gm) == 2
+    targets = _targets(gm)
+    assert targets.count(P.LINEAR_GELU) == 1 and targets.count(P.MM_GELU_BACKWARD) == 1
+    assert aten.gelu.default not in targets and aten.gelu_backward.default not in targets
+    for got, ref in zip(gm(*inputs), want):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize(
+    "case, kwargs, shape, backward_fused",
+    [
+        ("erf GELU (cuBLASLt's is the tanh one)", {"approximate": "none"}, (2, 8, 16, 32), False),
+        ("no bias: not an addmm", {"bias": False}, (2, 8, 16, 32), True),
+        ("alpha != 1", {"alpha": 2}, (2, 8, 16, 32), True),
+        ("a width not a multiple of 8", {}, (2, 8, 16, 36), False),
+    ],
+)
+def test_what_the_epilogues_cannot_take_is_left_alone(case, kwargs, shape, backward_fused):
+    """The forward stays unfused in each case; the backward half, which stands alone, fuses
+    where only the forward's pattern is broken; the graph computes what it did."""
+    inputs = _inputs(*shape)
+    gm = make_fx(_mlp_joint(**kwargs))(*inputs)
+    before, want = gm.code, gm(*inputs)
+    with P.force(), both_halves():
+        fused = P.gemm_epilogues(gm)
+    assert fused == int(backward_fused) and P.LINEAR_GELU not in _targets(gm), case
+    assert backward_fused or gm.code == before
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
+
+
+def test_by_default_only_the_forward_half_is_fused():
+    inputs = _inputs(2, 8, 16, 32)
+    gm = make_fx(_mlp_joint())(*inputs)
+    want = gm(*inputs)
+    with P.force():
+        assert P.gemm_epilogues(gm) == 1
+    targets = _targets(gm)
+    assert P.LINEAR_GELU in targets and P.MM_GELU_BACKWARD not in targets and aten.gelu_backward.default in targets
+    assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
+
+
+def test_float32_and_cpu_graphs_are_left_alone_without_force():
+    inputs = _inputs(2, 8, 16, 32)
+    gm = make_fx(_mlp_joint())(*inputs)
+    assert P.gemm_epilogues(gm) == 0  # CPU tensors: the ops would only run the aten ops
+    inputs32 = _inputs(2, 8, 16, 32, dtype=torch.float32)
+    gm32 = make_fx(_mlp_joint())(*inputs32)
+    with P.force():
+        assert P.gemm_epilogues(gm32) == 0
+
+
+def test_a_grad_input_read_elsewhere_keeps_its_matmul():
+    """``da = g @ w2`` also returned: the backward cannot drop it, so only the forward fuses."""
+
+    def step(x, w1, b1, w2, g):
+        h = torch.addmm(b1, x, w1.t())
+        da = g @ w2
+        return F.gelu(h, approximate="tanh"), aten.gelu_backward.default(da, h, approximate="tanh"), da
+
+    inputs = [_randn(16, 8, seed=1), _randn(32, 8, seed=2), _randn(32, seed=3), _randn(8, 32, seed=4), _randn(16, 8, seed=5)]
+    gm = make_fx(step)(*inputs)
+    want = gm(*inputs)
+    with P.force(), both_halves():
+        assert P.gemm_epilogues(gm) == 1
+    assert P.MM_GELU_BACKWARD not in _targets(gm)
+    assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
+
+
+def test_the_ops_fake_shapes_match_the_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w_t, b, g, w, h = _randn(16, 8), _randn(8, 24), _randn(24), _randn(16, 24), _randn(24, 8), _randn(2, 8, 8)
+    real = (*L.linear_gelu(x, w_t, b), *L.mm_gelu_backward(g, w, h))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = (*L.linear_gelu(x, w_t, b), *L.mm_gelu_backward(g, w, h))
+    assert [(f.shape, f.dtype) for f in fake] == [(r.shape, r.dtype) for r in real]
+    assert not L.fusable(x, w_t, b)  # CPU: the aten ops
+
+
+def test_the_pipeline_runs_it_on_one_device_before_the_bias_gradient_pass():
+    names = [p.name for p in pipeline.order(list(pipeline.PASSES))]
+    assert names.index("float8") < names.index("gemm_epilogues") < names.index("fuse_bias_grads")
+    by_name = {p.name: p for p in pipeline.PASSES}
+    assert by_name["gemm_epilogues"].applies(pipeline.Options())
+    assert not by_name["gemm_epilogues"].applies(pipeline.Options(on_mesh=True))
+
+
+def _gpt_run(forced: bool, n_layer=2, steps=3, backward=False):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
+
+    def loss_fn(params, batch):
+        return fsg.apply(model, params, batch["x"], batch["y"])
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16))
+    state = step.init(fsg.params(model))
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"x": x[:, :-1], "y": x[:, 1:]}
+    with P.force() if forced else contextlib.nullcontext(), both_halves() if backward else contextlib.nullcontext():
+        text = step.lower(state, batch).as_text()
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+    return text, float(metrics["loss"]), state.params
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_gpt_step_with_the_ops_in_place_equals_the_plain_step(backward):
+    """examples/gpt.py's GPT under bf16: every layer's MLP rewritten (the forward; the backward
+    too when asked), and three steps end with the plain step's loss and parameters, bit for bit."""
+    text, loss, params = _gpt_run(True, backward=backward)
+    text_plain, loss_plain, params_plain = _gpt_run(False)
+    assert text.count("fsg.linear_gelu.default(") == 2
+    assert text.count("fsg.mm_gelu_backward.default(") == (2 if backward else 0)
+    assert "fsg.linear_gelu" not in text_plain and ("aten.gelu_backward" in text) is not backward
+    assert loss == loss_plain
+    assert all(torch.equal(params[k], params_plain[k]) for k in params)
