@@ -3,7 +3,7 @@ same work as Inductor compiles it, at GPT-2 widths on one GPU: the measurement b
 ``gemm_epilogues`` pass (``kernels/linear_gelu.py``).
 
     python benchmarks/gemm_epilogue.py                 # 124M, 355M and 1.3B MLP shapes
-    python benchmarks/gemm_epilogue.py --tokens 16384 --widths 768
+    python benchmarks/gemm_epilogue.py --tokens 16384 --widths 768 --algos   # each candidate
 
 Rows per width D (M tokens, the MLP 4D wide), medians of ``triton.testing.do_bench``:
 - forward: ``h = addmm(b, x, w.T)`` then ``gelu(h, "tanh")`` (``torch.compile`` of both:
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--widths", default="768,1024,2048")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--algos", action="store_true", help="also time each of cuBLASLt's heuristic candidates")
     args = parser.parse_args()
     torch.manual_seed(0)
     bf16, M, rows = torch.bfloat16, args.tokens, []
@@ -76,6 +77,19 @@ def main() -> None:
             compiled, fused, bare = (do_bench(fn, warmup=25, rep=200) for fn in fns)
             rows.append({"D": D, "M": M, "case": case, "compiled_ms": compiled, "fused_ms": fused, "gemm_ms": bare})
             print(f"{D:>6} {case:<9} {compiled:>14.3f} {fused:>11.3f} {bare:>15.3f} {compiled - fused:>7.3f}")
+        if args.algos:
+            epilogues = {"forward": (x, w.t(), cublaslt.EPILOGUE_GELU_AUX_BIAS, b, torch.empty_like(h)),
+                         "backward": (g, w2, cublaslt.EPILOGUE_DGELU_BGRAD, torch.empty(N, dtype=bf16, device="cuda"), h),
+                         "bwd-dgelu": (g, w2, cublaslt.EPILOGUE_DGELU, None, h)}  # fmt: skip
+            for case, (a_, b_, epilogue, vec, aux) in epilogues.items():
+                times = []
+                for algo in range(cublaslt.CANDIDATES):
+                    try:
+                        times.append(do_bench(lambda: cublaslt.matmul(a_, b_, epilogue, bias=vec, aux=aux, algo=algo), warmup=10, rep=50))
+                    except cublaslt.CublasLtError:
+                        break
+                rows.append({"D": D, "M": M, "case": case, "candidates_ms": times})
+                print(f"{D:>6} {case:<9} cuBLASLt's candidates (ms): {' '.join(f'{t:.3f}' for t in times)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}, f, indent=1)

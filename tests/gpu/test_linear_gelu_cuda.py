@@ -133,3 +133,28 @@ def test_gpt_step_with_the_epilogues_is_as_close_to_float32_as_without_cuda(back
     assert "fsg.linear_gelu" not in text_off
     assert max(abs(a - b) for a, b in zip(losses, losses32)) < 2e-2 * abs(losses32[0])
     assert rel(params, params32) <= 1.25 * rel(params_off, params32) + 1e-5
+
+
+def test_each_heuristic_candidate_and_the_autotuned_choice_compute_the_same_cuda():
+    """``matmul(..., algo=i)`` for every candidate cuBLASLt offers, and ``AUTOTUNE`` (the fastest
+    first), each within bf16 rounding of float32; past the last candidate a clear error."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x, w_t, b = _randn(2048, 512, gen=gen), _randn(1536, 512, gen=gen, scale=512**-0.5).t(), _randn(1536, gen=gen)
+    y32 = F.gelu(x.float() @ w_t.float() + b.float(), approximate="tanh")
+    h, i = torch.empty(2048, 1536, dtype=BF16, device="cuda"), 0
+    while True:
+        try:
+            y = cublaslt.matmul(x, w_t, cublaslt.EPILOGUE_GELU_AUX_BIAS, bias=b, aux=h, algo=i)
+        except cublaslt.CublasLtError as exc:
+            assert "algorithms here" in str(exc)
+            break
+        assert rel(y, y32) < 1e-2, i
+        i += 1
+    assert i >= 1
+    cublaslt.AUTOTUNE = True
+    try:
+        x2 = _randn(1024, 512, gen=gen)  # a new problem: tuned at its first call
+        y = cublaslt.matmul(x2, w_t, cublaslt.EPILOGUE_GELU_AUX_BIAS, bias=b, aux=h[:1024])
+        assert rel(y, F.gelu(x2.float() @ w_t.float() + b.float(), approximate="tanh")) < 1e-2
+    finally:
+        cublaslt.AUTOTUNE = False

@@ -102,7 +102,14 @@ _LOCK = threading.Lock()
 _HANDLES: dict[int, int] = {}
 _WORKSPACES: dict[int, torch.Tensor] = {}
 _LAYOUTS: dict[tuple, int] = {}
-_ALGOS: dict[tuple, _HeuristicResult] = {}
+_ALGOS: dict[tuple, list[_HeuristicResult]] = {}
+CANDIDATES = 8  # heuristic results asked for (``matmul``'s ``algo`` picks one; 0, the first, by default)
+# Time the candidates at a problem's first call (outside a CUDA-graph capture) and put the
+# fastest first. Off: a choice by timing can differ between processes, and with it the
+# rounding, which would break bit-exact resumes; benchmarks/gemm_epilogue.py --algos times
+# every candidate in the heuristic's order.
+AUTOTUNE = False
+_TUNED: set[tuple] = set()
 
 
 def _handle(device: torch.device) -> tuple[int, torch.Tensor]:
@@ -163,12 +170,14 @@ def matmul(
     *,
     bias: torch.Tensor | None = None,
     aux: torch.Tensor | None = None,
+    algo: int = 0,
 ) -> torch.Tensor:
     """``out[M, N]`` (row-major, ``a``'s dtype) of ``a[M, K] @ b[K, N]`` through ``epilogue``:
     ``EPILOGUE_GELU_AUX_BIAS`` writes ``gelu_tanh(a @ b + bias)`` and the pre-activation into
     ``aux`` (``[M, N]``, contiguous); ``EPILOGUE_DGELU`` writes ``(a @ b) * gelu_tanh'(aux)``,
     ``EPILOGUE_DGELU_BGRAD`` that and its column sums into ``bias`` (``[N]``, ``a``'s dtype).
-    The operands must pass ``supports``."""
+    The operands must pass ``supports``. ``algo`` picks among cuBLASLt's heuristic candidates
+    (0: its first choice; ``benchmarks/gemm_epilogue.py --algos`` times the others)."""
     lib, (M, K), N = _lib(), a.shape, b.shape[1]
     handle, workspace = _handle(a.device)
     dtype = _DATA_TYPES[a.dtype]
@@ -189,23 +198,51 @@ def matmul(
         for attr, value in attrs:
             status = lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value))
             _check(status, f"cublasLtMatmulDescSetAttribute({attr})")
-        algo = _algo(handle, desc, (layout_b, layout_a, layout_d), (dtype, M, N, K, op_a, op_b, epilogue),
-                     (_alignment(b), _alignment(a), _alignment(out), _alignment(bias), _alignment(aux)))  # fmt: skip
+        key = (dtype, M, N, K, op_a, op_b, epilogue, _alignment(b), _alignment(a), _alignment(out), _alignment(bias), _alignment(aux))
+        candidates = _algos(handle, desc, (layout_b, layout_a, layout_d), key)
+        if algo >= len(candidates):
+            raise CublasLtError(f"fsg: cuBLASLt offers {len(candidates)} algorithms here, not {algo + 1}")
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        status = lib.cublasLtMatmul(
-            handle, desc, ctypes.byref(alpha), b.data_ptr(), layout_b, a.data_ptr(), layout_a, ctypes.byref(beta),
-            out.data_ptr(), layout_d, out.data_ptr(), layout_d, ctypes.byref(algo.algo), workspace.data_ptr(),
-            WORKSPACE_BYTES, torch.cuda.current_stream(a.device).cuda_stream,
-        )  # fmt: skip
-        _check(status, "cublasLtMatmul")
+        stream = torch.cuda.current_stream(a.device)
+
+        def run(choice: int) -> int:
+            return lib.cublasLtMatmul(
+                handle, desc, ctypes.byref(alpha), b.data_ptr(), layout_b, a.data_ptr(), layout_a, ctypes.byref(beta),
+                out.data_ptr(), layout_d, out.data_ptr(), layout_d, ctypes.byref(candidates[choice].algo),
+                workspace.data_ptr(), WORKSPACE_BYTES, stream.cuda_stream,
+            )  # fmt: skip
+
+        if AUTOTUNE and key not in _TUNED and not torch.cuda.is_current_stream_capturing():
+            _tune(candidates, run, stream)
+            _TUNED.add(key)
+        _check(run(algo), "cublasLtMatmul")
     finally:
         lib.cublasLtMatmulDescDestroy(desc)
     return out
 
 
-def _algo(handle: int, desc, layouts: tuple, shape_key: tuple, alignments: tuple) -> _HeuristicResult:
-    """cuBLASLt's first heuristic choice for this problem (cached by shapes and alignments)."""
-    key = (*shape_key, *alignments)
+def _tune(candidates: list, run, stream) -> None:
+    """Sorts ``candidates`` fastest first: each run 3 times between CUDA events (one warm-up
+    run first; a candidate whose run fails goes last)."""
+    times = []
+    for i in range(len(candidates)):
+        if run(i) != 0:
+            times.append(float("inf"))
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(3):
+            run(i)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    candidates[:] = [c for _, c in sorted(zip(times, candidates), key=lambda tc: tc[0])]
+
+
+def _algos(handle: int, desc, layouts: tuple, key: tuple) -> list[_HeuristicResult]:
+    """cuBLASLt's heuristic choices for this problem, its best first (cached by shapes and
+    alignments: ``key``, whose last five entries are the operands' alignments)."""
+    alignments = key[-5:]
     if key in _ALGOS:
         return _ALGOS[key]
     lib, pref = _lib(), ctypes.c_void_p()
@@ -217,12 +254,12 @@ def _algo(handle: int, desc, layouts: tuple, shape_key: tuple, alignments: tuple
         lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value), 4)
     value = ctypes.c_uint32(alignments[2])
     lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_ALIGN_C, ctypes.byref(value), 4)
-    result, count = _HeuristicResult(), ctypes.c_int(0)
+    results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int(0)
     b, a, d = layouts
-    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, b, a, d, d, pref, 1, ctypes.byref(result), ctypes.byref(count))
+    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, b, a, d, d, pref, CANDIDATES, results, ctypes.byref(count))
     lib.cublasLtMatmulPreferenceDestroy(pref)
     _check(status, "cublasLtMatmulAlgoGetHeuristic")
     if count.value == 0:
-        raise CublasLtError(f"fsg: cuBLASLt has no algorithm for {shape_key} (epilogue {shape_key[-1]})")
-    _ALGOS[key] = result
-    return result
+        raise CublasLtError(f"fsg: cuBLASLt has no algorithm for {key[:7]} (epilogue {key[6]})")
+    _ALGOS[key] = [results[i] for i in range(count.value) if results[i].state == 0]
+    return _ALGOS[key]
