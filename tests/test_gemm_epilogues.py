@@ -92,7 +92,6 @@ def test_the_rewritten_mlp_computes_exactly_what_it_did(B, T, D, H):
     "case, kwargs, shape, backward_fused",
     [
         ("erf GELU (cuBLASLt's is the tanh one)", {"approximate": "none"}, (2, 8, 16, 32), False),
-        ("no bias: not an addmm", {"bias": False}, (2, 8, 16, 32), True),
         ("alpha != 1", {"alpha": 2}, (2, 8, 16, 32), True),
         ("a width not a multiple of 8", {}, (2, 8, 16, 36), False),
     ],
@@ -107,6 +106,18 @@ def test_what_the_epilogues_cannot_take_is_left_alone(case, kwargs, shape, backw
         fused = P.gemm_epilogues(gm)
     assert fused == int(backward_fused) and P.LINEAR_GELU not in _targets(gm), case
     assert backward_fused or gm.code == before
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
+
+
+def test_a_linear_without_bias_fuses_too():
+    """``gelu(mm(x, w_t))``: the epilogue without a bias (``GELU_AUX``); results unchanged."""
+    inputs = _inputs(2, 8, 16, 32)
+    gm = make_fx(_mlp_joint(bias=False))(*inputs)
+    want = gm(*inputs)
+    with P.force(), both_halves():
+        assert P.gemm_epilogues(gm) == 2
+    op = next(n for n in gm.graph.nodes if n.target is P.LINEAR_GELU)
+    assert op.args[2] is None
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
 
 

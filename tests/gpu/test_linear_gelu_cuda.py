@@ -49,6 +49,14 @@ def test_linear_gelu_matches_float32_cuda(M, K, N, weight_layout):
     assert same_tanh >= same_erf, (float(same_tanh), float(same_erf))
 
 
+def test_linear_gelu_without_bias_matches_float32_cuda():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x, w_t = _randn(4096, 768, gen=gen), _randn(3072, 768, gen=gen, scale=768**-0.5).t()
+    y, h = L.linear_gelu(x, w_t, None)
+    h32 = x.float() @ w_t.float()
+    assert rel(h, h32) < 1e-2 and rel(y, F.gelu(h32, approximate="tanh")) < 1e-2
+
+
 @pytest.mark.parametrize("M,K,N", SHAPES)
 @pytest.mark.parametrize("weight_layout", ["row_major", "transposed"])
 def test_mm_gelu_backward_matches_float32_cuda(M, K, N, weight_layout):

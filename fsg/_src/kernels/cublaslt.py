@@ -25,7 +25,8 @@ import threading
 import torch
 
 # cublasLtEpilogue_t
-EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU, EPILOGUE_DGELU_BGRAD = 1, 32 | 128 | 4, 64 | 128, 64 | 128 | 16
+EPILOGUE_DEFAULT, EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS = 1, 32 | 128, 32 | 128 | 4
+EPILOGUE_DGELU, EPILOGUE_DGELU_BGRAD = 64 | 128, 64 | 128 | 16
 # cublasLtMatmulDescAttributes_t
 _TRANSA, _TRANSB, _EPILOGUE, _BIAS_POINTER, _AUX_POINTER, _AUX_LD = 3, 4, 7, 8, 11, 12
 # cublasLtMatmulPreferenceAttributes_t
@@ -174,7 +175,7 @@ def matmul(
 ) -> torch.Tensor:
     """``out[M, N]`` (row-major, ``a``'s dtype) of ``a[M, K] @ b[K, N]`` through ``epilogue``:
     ``EPILOGUE_GELU_AUX_BIAS`` writes ``gelu_tanh(a @ b + bias)`` and the pre-activation into
-    ``aux`` (``[M, N]``, contiguous); ``EPILOGUE_DGELU`` writes ``(a @ b) * gelu_tanh'(aux)``,
+    ``aux`` (``[M, N]``, contiguous), ``EPILOGUE_GELU_AUX`` the same without a bias; ``EPILOGUE_DGELU`` writes ``(a @ b) * gelu_tanh'(aux)``,
     ``EPILOGUE_DGELU_BGRAD`` that and its column sums into ``bias`` (``[N]``, ``a``'s dtype).
     The operands must pass ``supports``. ``algo`` picks among cuBLASLt's heuristic candidates
     (0: its first choice; ``benchmarks/gemm_epilogue.py --algos`` times the others)."""

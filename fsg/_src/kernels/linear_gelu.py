@@ -9,8 +9,8 @@ GEMM writes ``da``, a kernel reads ``da`` and ``h`` to write ``dh = da * gelu'(h
 ``dh``'s columns (the up-projection's bias gradient), reading ``dh`` or keeping partial rows.
 cuBLASLt's training epilogues (``kernels/cublaslt.py``) do both inside the GEMMs:
 
-- ``linear_gelu(x, w_t, bias) -> (y, h)``: ``h = x @ w_t + bias``, ``y = gelu_tanh(h)``, one
-  GEMM writing both (``GELU_AUX_BIAS``).
+- ``linear_gelu(x, w_t, bias) -> (y, h)``: ``h = x @ w_t + bias`` (``bias`` may be ``None``),
+  ``y = gelu_tanh(h)``, one GEMM writing both (``GELU_AUX_BIAS``, or ``GELU_AUX``).
 - ``mm_gelu_backward(g, w, h) -> (dh, dbias)``: ``dh = gelu_tanh'(h) * (g @ w)`` and
   ``dbias = dh.sum(0)`` in ``dh``'s dtype, one GEMM (``DGELU_BGRAD``).
 
@@ -37,17 +37,19 @@ def fusable(x: torch.Tensor, w: torch.Tensor, *vectors: torch.Tensor) -> bool:
     the vectors contiguous, 16-byte aligned and of the operands' dtype."""
     return (
         x.is_cuda and cublaslt.available(x.device) and cublaslt.supports(x, w)
-        and all(v.is_contiguous() and v.dtype == x.dtype and v.data_ptr() % 16 == 0 for v in vectors)
+        and all(v is None or (v.is_contiguous() and v.dtype == x.dtype and v.data_ptr() % 16 == 0) for v in vectors)
     )  # fmt: skip
 
 
 @torch.library.custom_op("fsg::linear_gelu", mutates_args=())
-def linear_gelu(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, h)``: ``h = addmm(bias, x, w_t)`` (``[M, N]``) and ``y = gelu(h, approximate="tanh")``."""
+def linear_gelu(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)``: ``h = addmm(bias, x, w_t)`` (``mm(x, w_t)`` without a bias; ``[M, N]``) and
+    ``y = gelu(h, approximate="tanh")``."""
     if fusable(x, w_t, bias):
         h = torch.empty((x.shape[0], w_t.shape[1]), dtype=x.dtype, device=x.device)
-        return cublaslt.matmul(x, w_t, cublaslt.EPILOGUE_GELU_AUX_BIAS, bias=bias, aux=h), h
-    h = aten.addmm.default(bias, x, w_t)
+        epilogue = cublaslt.EPILOGUE_GELU_AUX if bias is None else cublaslt.EPILOGUE_GELU_AUX_BIAS
+        return cublaslt.matmul(x, w_t, epilogue, bias=bias, aux=h), h
+    h = aten.mm.default(x, w_t) if bias is None else aten.addmm.default(bias, x, w_t)
     return aten.gelu.default(h, approximate="tanh"), h
 
 

@@ -3,7 +3,7 @@
 The joint graph of ``fc2(gelu(fc1(x), approximate="tanh"))`` holds, for the up-projection
 ``fc1`` (shapes: M rows, K in, N out of ``fc1``)::
 
-    h = addmm(b, x_MK, w_t)           # [M, N], maybe viewed as [B, T, N]
+    h = addmm(b, x_MK, w_t)           # [M, N], maybe viewed as [B, T, N]; mm without a bias
     a = gelu(h, approximate="tanh")
     ...
     da = mm(g, w2)                    # fc2's grad-input, [M, N]
@@ -15,7 +15,7 @@ cuBLASLt's ``GELU_AUX_BIAS`` epilogue), so no kernel of its own reads ``h`` back
 ``a``; with ``FUSE_BACKWARD`` (off: measured slower, below) also the backward triple as
 ``fsg::mm_gelu_backward`` (``DGELU_BGRAD``).
 Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
-unit ``alpha``/``beta``, an ``mm`` read only by the GELU gradient, dims in multiples of 8,
+unit ``alpha``/``beta`` (or an ``mm``), an ``mm`` read only by the GELU gradient, dims in multiples of 8,
 the tensors on CUDA (``FORCE`` extends it to CPU, where the ops run the aten ops they replace:
 how the CPU tests check the rewrite). One device (not on a mesh), after the float8 pass, which
 takes the matmuls it converts and their GELUs first.
@@ -135,14 +135,16 @@ class _Rewriter:
         return t if list(t.meta["val"].shape) == shape else self.call(aten.view.default, (t, shape))
 
     def forward(self, gelu: fx.Node) -> int:
-        """``gelu(addmm(b, x, w_t))`` -> ``linear_gelu(x, w_t, b)``."""
-        addmm = _through_view(gelu.args[0], aten.addmm.default)
-        if addmm is None or addmm.kwargs or len(addmm.args) != 3:
+        """``gelu(addmm(b, x, w_t))`` -> ``linear_gelu(x, w_t, b)``; ``gelu(mm(x, w_t))`` ->
+        ``linear_gelu(x, w_t, None)``."""
+        addmm = _through_view(gelu.args[0], aten.addmm.default) or _through_view(gelu.args[0], aten.mm.default)
+        if addmm is None or addmm.kwargs or len(addmm.args) != (3 if addmm.target is aten.addmm.default else 2):
             return 0
-        bias, x, w_t = addmm.args
-        if not all(isinstance(n, fx.Node) for n in (bias, x, w_t)) or not _eligible(x, w_t, addmm):
+        bias, x, w_t = addmm.args if len(addmm.args) == 3 else (None, *addmm.args)
+        if not all(isinstance(n, fx.Node) for n in (x, w_t)) or not _eligible(x, w_t, addmm):
             return 0
-        if bias.meta["val"].shape != (w_t.meta["val"].shape[1],) or bias.meta["val"].dtype != x.meta["val"].dtype:
+        if bias is not None and (not isinstance(bias, fx.Node) or bias.meta["val"].shape != (w_t.meta["val"].shape[1],)
+                                 or bias.meta["val"].dtype != x.meta["val"].dtype):  # fmt: skip
             return 0
         if not (_layout_ok(x.meta["val"]) and _layout_ok(w_t.meta["val"])):
             return 0
