@@ -39,10 +39,9 @@ Implementations (--impl):
   fsg-biasfuse   fsg with the fuse_bias_grads pass on (off by default: measured slower): the
             MLP's and the qkv projection's bias gradients summed in the kernels that write
             their rows
-  fsg-noepilogue   fsg with the gemm_epilogues pass off: the MLP's GELU left to Inductor's
-            kernel instead of cuBLASLt's GEMM epilogue
-  fsg-epilogue-bwd   fsg with the pass's backward half on too (off by default: measured
-            slower): the GELU gradient and the bias gradient in the grad-input GEMM's epilogue
+  fsg-noepilogue   fsg with the gemm_epilogues pass off: the MLP's GELU and GELU gradient left
+            to Inductor's kernels instead of cuBLASLt's GEMM epilogues
+  fsg-epilogue-fwd   fsg with only the pass's forward half (the GELU in the up-projection's GEMM)
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -173,7 +172,7 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.passes import gemm_epilogues
 
         gemm_epilogues.ENABLED = "noepilogue" not in impl
-        gemm_epilogues.FUSE_BACKWARD = impl == "fsg-epilogue-bwd"
+        gemm_epilogues.FUSE_BACKWARD = impl != "fsg-epilogue-fwd"
 
         def loss_fn(params, batch):
             if logits_loss:

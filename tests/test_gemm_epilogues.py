@@ -58,9 +58,9 @@ def _inputs(B, T, D, H, dtype=BF16):
 
 
 @contextlib.contextmanager
-def both_halves():
-    """The pass's backward half on too (``FUSE_BACKWARD``, off by default: measured slower)."""
-    old, P.FUSE_BACKWARD = P.FUSE_BACKWARD, True
+def halves(backward: bool = True):
+    """The pass with its backward half on (the default) or off (``FUSE_BACKWARD``)."""
+    old, P.FUSE_BACKWARD = P.FUSE_BACKWARD, backward
     try:
         yield
     finally:
@@ -74,12 +74,12 @@ def _targets(gm):
 @settings(max_examples=15, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 4).map(lambda t: 8 * t), st.sampled_from([8, 16, 32]), st.sampled_from([8, 32, 64]))
 def test_the_rewritten_mlp_computes_exactly_what_it_did(B, T, D, H):
-    """Forward and backward become one op each; the bias gradient of ``fc1`` reads the op's;
-    the loss and every gradient are the original graph's bit for bit (the ops' CPU path)."""
+    """Forward and backward become one op each; the bias gradient of ``fc1`` sums the op's
+    ``dh``; the loss and every gradient are the original graph's bit for bit (the ops' CPU path)."""
     inputs = _inputs(B, T, D, H)
     gm = make_fx(_mlp_joint())(*inputs)
     want = gm(*inputs)
-    with P.force(), both_halves():
+    with P.force(), halves():
         assert P.gemm_epilogues(gm) == 2
     targets = _targets(gm)
     assert targets.count(P.LINEAR_GELU) == 1 and targets.count(P.MM_GELU_BACKWARD) == 1
@@ -102,7 +102,7 @@ def test_what_the_epilogues_cannot_take_is_left_alone(case, kwargs, shape, backw
     inputs = _inputs(*shape)
     gm = make_fx(_mlp_joint(**kwargs))(*inputs)
     before, want = gm.code, gm(*inputs)
-    with P.force(), both_halves():
+    with P.force(), halves():
         fused = P.gemm_epilogues(gm)
     assert fused == int(backward_fused) and P.LINEAR_GELU not in _targets(gm), case
     assert backward_fused or gm.code == before
@@ -114,18 +114,18 @@ def test_a_linear_without_bias_fuses_too():
     inputs = _inputs(2, 8, 16, 32)
     gm = make_fx(_mlp_joint(bias=False))(*inputs)
     want = gm(*inputs)
-    with P.force(), both_halves():
+    with P.force(), halves():
         assert P.gemm_epilogues(gm) == 2
     op = next(n for n in gm.graph.nodes if n.target is P.LINEAR_GELU)
     assert op.args[2] is None
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
 
 
-def test_by_default_only_the_forward_half_is_fused():
+def test_with_the_backward_half_off_only_the_forward_half_is_fused():
     inputs = _inputs(2, 8, 16, 32)
     gm = make_fx(_mlp_joint())(*inputs)
     want = gm(*inputs)
-    with P.force():
+    with P.force(), halves(backward=False):
         assert P.gemm_epilogues(gm) == 1
     targets = _targets(gm)
     assert P.LINEAR_GELU in targets and P.MM_GELU_BACKWARD not in targets and aten.gelu_backward.default in targets
@@ -153,7 +153,7 @@ def test_a_grad_input_read_elsewhere_keeps_its_matmul():
     inputs = [_randn(16, 8, seed=1), _randn(32, 8, seed=2), _randn(32, seed=3), _randn(8, 32, seed=4), _randn(16, 8, seed=5)]
     gm = make_fx(step)(*inputs)
     want = gm(*inputs)
-    with P.force(), both_halves():
+    with P.force(), halves():
         assert P.gemm_epilogues(gm) == 1
     assert P.MM_GELU_BACKWARD not in _targets(gm)
     assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
@@ -178,7 +178,7 @@ def test_the_pipeline_runs_it_on_one_device_before_the_bias_gradient_pass():
     assert not by_name["gemm_epilogues"].applies(pipeline.Options(on_mesh=True))
 
 
-def _gpt_run(forced: bool, n_layer=2, steps=3, backward=False):
+def _gpt_run(forced: bool, n_layer=2, steps=3, backward=True):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
 
@@ -189,7 +189,7 @@ def _gpt_run(forced: bool, n_layer=2, steps=3, backward=False):
     state = step.init(fsg.params(model))
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     batch = {"x": x[:, :-1], "y": x[:, 1:]}
-    with P.force() if forced else contextlib.nullcontext(), both_halves() if backward else contextlib.nullcontext():
+    with P.force() if forced else contextlib.nullcontext(), halves(backward):
         text = step.lower(state, batch).as_text()
         for _ in range(steps):
             state, metrics = step(state, batch)
@@ -199,7 +199,8 @@ def _gpt_run(forced: bool, n_layer=2, steps=3, backward=False):
 @pytest.mark.parametrize("backward", [False, True])
 def test_a_gpt_step_with_the_ops_in_place_equals_the_plain_step(backward):
     """examples/gpt.py's GPT under bf16: every layer's MLP rewritten (the forward; the backward
-    too when asked), and three steps end with the plain step's loss and parameters, bit for bit."""
+    too unless turned off), and three steps end with the plain step's loss and parameters, bit
+    for bit."""
     text, loss, params = _gpt_run(True, backward=backward)
     text_plain, loss_plain, params_plain = _gpt_run(False)
     assert text.count("fsg.linear_gelu.default(") == 2

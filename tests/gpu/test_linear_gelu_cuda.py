@@ -65,10 +65,9 @@ def test_mm_gelu_backward_matches_float32_cuda(M, K, N, weight_layout):
     g, h = _randn(M, N, gen=gen), _randn(M, K, gen=gen, scale=2.0)
     w = _randn(N, K, gen=gen, scale=N**-0.5) if weight_layout == "row_major" else _randn(K, N, gen=gen, scale=N**-0.5).t()
     assert L.fusable(g, w, h)
-    dh, dbias = L.mm_gelu_backward(g, w, h)
+    dh = L.mm_gelu_backward(g, w, h)
     dh32 = torch.ops.aten.gelu_backward.default(g.float() @ w.float(), h.float(), approximate="tanh")
-    assert dh.shape == (M, K) and dbias.shape == (K,) and dbias.dtype == BF16
-    assert rel(dh, dh32) < 1e-2 and rel(dbias, dh32.sum(0)) < 1e-2
+    assert dh.shape == (M, K) and dh.dtype == BF16 and rel(dh, dh32) < 1e-2
 
 
 def test_operands_cublaslt_cannot_take_run_the_aten_ops_cuda():
@@ -80,7 +79,7 @@ def test_operands_cublaslt_cannot_take_run_the_aten_ops_cuda():
     assert torch.equal(h, torch.addmm(b, x, w_t)) and torch.equal(y, F.gelu(h, approximate="tanh"))
     g, w, h = _randn(64, 128, gen=gen), _randn(128, 64, gen=gen), _randn(64 * 64 + 1, gen=gen)[1:].view(64, 64)
     assert not L.fusable(g, w, h)  # h 2 bytes past an aligned address
-    dh, dbias = L.mm_gelu_backward(g, w, h)
+    dh = L.mm_gelu_backward(g, w, h)
     assert torch.equal(dh, torch.ops.aten.gelu_backward.default(g @ w, h, approximate="tanh"))
 
 
@@ -88,7 +87,7 @@ def test_the_fused_ops_replay_in_a_cuda_graph():
     gen = torch.Generator(device="cuda").manual_seed(1)
     x, w_t, b = _randn(512, 256, gen=gen), _randn(1024, 256, gen=gen).t(), _randn(1024, gen=gen)
     g, w2 = _randn(512, 256, gen=gen), _randn(256, 1024, gen=gen)
-    run = lambda: (*L.linear_gelu(x, w_t, b), *L.mm_gelu_backward(g, w2, L.linear_gelu(x, w_t, b)[1]))  # noqa: E731
+    run = lambda: (*L.linear_gelu(x, w_t, b), L.mm_gelu_backward(g, w2, L.linear_gelu(x, w_t, b)[1]))  # noqa: E731
     run()  # the heuristics and the workspace, outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -101,7 +100,7 @@ def test_the_fused_ops_replay_in_a_cuda_graph():
         assert torch.equal(replayed, direct)
 
 
-def _gpt_steps(enabled: bool, compute=BF16, steps: int = 5, backward=False):
+def _gpt_steps(enabled: bool, compute=BF16, steps: int = 5, backward=True):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
@@ -123,14 +122,14 @@ def _gpt_steps(enabled: bool, compute=BF16, steps: int = 5, backward=False):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
     finally:
-        gemm_epilogues.ENABLED, gemm_epilogues.FUSE_BACKWARD = True, False
+        gemm_epilogues.ENABLED, gemm_epilogues.FUSE_BACKWARD = True, True
     return text, losses, torch.cat([p.flatten() for p in state.params.values()])
 
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_gpt_step_with_the_epilogues_is_as_close_to_float32_as_without_cuda(backward):
-    """Five bf16 steps of a GPT with the epilogues (the forward's; the backward's too when
-    asked) and without, each against float32 steps from
+    """Five bf16 steps of a GPT with the epilogues (the forward's; the backward's too unless
+    turned off) and without, each against float32 steps from
     the same init: the fused step's parameters no further from float32's than the unfused
     step's (by more than a quarter), its losses within bf16's reach of them."""
     text, losses, params = _gpt_steps(True, backward=backward)

@@ -5,14 +5,15 @@ Shape legend: M rows (tokens), K the matmul's contracted width, N its output wid
 
 Left to Inductor, a GPT MLP's up-projection writes its pre-activation ``h``, a pointwise
 kernel reads it back to write ``gelu(h)``; in the backward the down-projection's grad-input
-GEMM writes ``da``, a kernel reads ``da`` and ``h`` to write ``dh = da * gelu'(h)`` and sums
-``dh``'s columns (the up-projection's bias gradient), reading ``dh`` or keeping partial rows.
+GEMM writes ``da`` and a kernel reads ``da`` and ``h`` to write ``dh = da * gelu'(h)``.
 cuBLASLt's training epilogues (``kernels/cublaslt.py``) do both inside the GEMMs:
 
 - ``linear_gelu(x, w_t, bias) -> (y, h)``: ``h = x @ w_t + bias`` (``bias`` may be ``None``),
   ``y = gelu_tanh(h)``, one GEMM writing both (``GELU_AUX_BIAS``, or ``GELU_AUX``).
-- ``mm_gelu_backward(g, w, h) -> (dh, dbias)``: ``dh = gelu_tanh'(h) * (g @ w)`` and
-  ``dbias = dh.sum(0)`` in ``dh``'s dtype, one GEMM (``DGELU_BGRAD``).
+- ``mm_gelu_backward(g, w, h) -> dh``: ``dh = gelu_tanh'(h) * (g @ w)``, one GEMM (``DGELU``).
+  The bias gradient ``dh.sum(0)`` stays Inductor's: cuBLASLt's ``DGELU_BGRAD``, which would
+  sum it in the epilogue too, runs as the GEMM plus a generic epilogue kernel on the H200,
+  twice the time of the unfused ops (benchmarks/gemm_epilogue.py, RESULTS.md 2026-12-04).
 
 cuBLASLt's GELU is the tanh approximation, so only ``gelu(approximate="tanh")`` is fused.
 Rounding differs from the unfused ops by where it happens: the epilogue applies the GELU (or
@@ -54,15 +55,13 @@ def linear_gelu(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -
 
 
 @torch.library.custom_op("fsg::mm_gelu_backward", mutates_args=())
-def mm_gelu_backward(g: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dh, dbias)``: ``dh = gelu_backward(g @ w, h, approximate="tanh")`` (``[M, K]``; ``h``
-    of any shape with ``M * K`` elements) and ``dbias = dh.sum(0)`` (``[K]``, ``dh``'s dtype)."""
+def mm_gelu_backward(g: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``dh = gelu_backward(g @ w, h, approximate="tanh")`` (``[M, K]``; ``h`` of any shape
+    with ``M * K`` elements)."""
     h_MK = h.reshape(g.shape[0], w.shape[1])
     if fusable(g, w, h_MK):
-        dbias = torch.empty((w.shape[1],), dtype=g.dtype, device=g.device)
-        return cublaslt.matmul(g, w, cublaslt.EPILOGUE_DGELU_BGRAD, bias=dbias, aux=h_MK), dbias
-    dh = aten.gelu_backward.default(aten.mm.default(g, w), h_MK, approximate="tanh")
-    return dh, aten.sum.dim_IntList(dh, [0])
+        return cublaslt.matmul(g, w, cublaslt.EPILOGUE_DGELU, aux=h_MK)
+    return aten.gelu_backward.default(aten.mm.default(g, w), h_MK, approximate="tanh")
 
 
 @linear_gelu.register_fake
@@ -72,4 +71,4 @@ def _(x, w_t, bias):
 
 @mm_gelu_backward.register_fake
 def _(g, w, h):
-    return g.new_empty((g.shape[0], w.shape[1])), g.new_empty((w.shape[1],))
+    return g.new_empty((g.shape[0], w.shape[1]))

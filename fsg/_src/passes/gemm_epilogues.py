@@ -1,4 +1,4 @@
-"""Stage 3 graph pass: an MLP's tanh GELU, its gradient and its bias gradient inside the GEMMs.
+"""Stage 3 graph pass: an MLP's tanh GELU and its gradient inside the GEMMs (cuBLASLt epilogues).
 
 The joint graph of ``fc2(gelu(fc1(x), approximate="tanh"))`` holds, for the up-projection
 ``fc1`` (shapes: M rows, K in, N out of ``fc1``)::
@@ -8,12 +8,11 @@ The joint graph of ``fc2(gelu(fc1(x), approximate="tanh"))`` holds, for the up-p
     ...
     da = mm(g, w2)                    # fc2's grad-input, [M, N]
     dh = gelu_backward(da, h, approximate="tanh")
-    db = sum(dh_MN, [0])              # fc1's bias gradient
 
 ``gemm_epilogues`` rewrites the forward pair as ``fsg::linear_gelu`` (``kernels/linear_gelu.py``:
-cuBLASLt's ``GELU_AUX_BIAS`` epilogue), so no kernel of its own reads ``h`` back to write
-``a``; with ``FUSE_BACKWARD`` (off: measured slower, below) also the backward triple as
-``fsg::mm_gelu_backward`` (``DGELU_BGRAD``).
+cuBLASLt's ``GELU_AUX_BIAS`` epilogue) and the backward pair as ``fsg::mm_gelu_backward``
+(``DGELU``), so no kernel of its own reads ``h`` back to write ``a``, nor ``da`` to write
+``dh``; the bias gradient ``sum(dh, [0])`` stays Inductor's.
 Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
 unit ``alpha``/``beta`` (or an ``mm``), an ``mm`` read only by the GELU gradient, dims in multiples of 8,
 the tensors on CUDA (``FORCE`` extends it to CPU, where the ops run the aten ops they replace:
@@ -41,12 +40,13 @@ LINEAR_GELU, MM_GELU_BACKWARD = torch.ops.fsg.linear_gelu.default, torch.ops.fsg
 _DTYPES = (torch.bfloat16, torch.float16)
 # On by default where it applies; benchmarks/gpt.py's fsg-noepilogue turns it off for the A/B.
 ENABLED = True
-# The backward half is off: measured slower. On the H200 (torch 2.11, cuBLASLt 13) the
-# DGELU_BGRAD GEMM runs as the plain GEMM plus a generic epilogue kernel
-# (cublasLt::epilogue::impl::globalKernel, 322 us a call at GPT-2 124M's [16384, 3072]),
-# against 80 + 33 us for Inductor's GELU-gradient and bias-sum kernels: GPT-2 124M's step
-# took 33.34 ms with both halves against 31.71 ms with neither (RESULTS.md, 2026-12-04).
-FUSE_BACKWARD = False
+# The backward half (benchmarks/gpt.py's fsg-epilogue-fwd turns it off for the A/B). It leaves
+# the bias gradient to Inductor: cuBLASLt's DGELU_BGRAD, which sums it in the epilogue, runs on
+# the H200 (torch 2.11, cuBLASLt 13) as the plain GEMM plus a generic epilogue kernel
+# (cublasLt::epilogue::impl::globalKernel, 322 us a call at GPT-2 124M's [16384, 3072]) against
+# 80 + 33 us for Inductor's GELU-gradient and bias-sum kernels; GPT-2 124M's step took 33.34 ms
+# with it against 31.71 ms without any epilogue (RESULTS.md, 2026-12-04).
+FUSE_BACKWARD = True
 _FORCE = contextvars.ContextVar("fsg_gemm_epilogues_force", default=False)
 
 
@@ -157,7 +157,7 @@ class _Rewriter:
         return 1
 
     def backward(self, gelu_backward: fx.Node) -> int:
-        """``gelu_backward(mm(g, w), h)`` and the sums of its columns -> ``mm_gelu_backward(g, w, h)``."""
+        """``gelu_backward(mm(g, w), h)`` -> ``mm_gelu_backward(g, w, h)``."""
         grad, h = gelu_backward.args[:2]
         mm = _through_view(grad, aten.mm.default)
         if mm is None or not isinstance(h, fx.Node) or len(mm.users) != 1 or grad is not mm and len(grad.users) != 1:
@@ -168,17 +168,9 @@ class _Rewriter:
         if h.meta["val"].dtype != mm.meta["val"].dtype or not h.meta["val"].is_contiguous():
             return 0
         with self.graph.inserting_before(gelu_backward):
-            dh, dbias = self.outputs(self.call(MM_GELU_BACKWARD, (g, w, h)))
-            out = self.shaped(dh, gelu_backward)
-        gelu_backward.replace_all_uses_with(out)
+            out = self.shaped(self.call(MM_GELU_BACKWARD, (g, w, h)), gelu_backward)
+        gelu_backward.replace_all_uses_with(out)  # the bias gradient's sum now reads the op's dh
         _erase(gelu_backward, grad, mm)
-        for rows in [dh] + [u for u in out.users if u.target in _FLATTENS and u.meta["val"].shape == dh.meta["val"].shape]:
-            for user in float8_fuse.column_sums(rows):
-                if user.meta["val"].dtype != dh.meta["val"].dtype:
-                    continue
-                with self.graph.inserting_before(user):
-                    user.replace_all_uses_with(self.shaped(dbias, user))
-                _erase(user)
         return 1
 
 
