@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsg
+from fsg._src.kernels import cublaslt
 from fsg._src.kernels import linear_gelu as L
 from fsg._src.passes import gemm_epilogues as P
 from fsg._src.passes import pipeline
@@ -208,3 +209,49 @@ def test_a_gpt_step_with_the_ops_in_place_equals_the_plain_step(backward):
     assert "fsg.linear_gelu" not in text_plain and ("aten.gelu_backward" in text) is not backward
     assert loss == loss_plain
     assert all(torch.equal(params[k], params_plain[k]) for k in params)
+
+
+# -- the row-major to column-major mapping of kernels/cublaslt.py ---------------------------
+
+
+def _laid_out(rows, cols, layout, seed):
+    """A [rows, cols] float64 tensor: row-major, column-major (a transposed view) or row-major
+    with a padded leading dim (a slice of a wider tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "row":
+        return torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    if layout == "col":
+        return torch.randn(cols, rows, generator=g, dtype=torch.float64).t()
+    return torch.randn(rows, cols + 3, generator=g, dtype=torch.float64)[:, 1 : cols + 1]
+
+
+def _column_major(t, op, ld, rows, cols):
+    """``op(X)`` for the column-major ``rows x cols`` matrix ``X`` that cuBLASLt reads at ``t``'s
+    memory with leading dim ``ld``."""
+    x = torch.as_strided(t, (rows, cols), (1, ld), t.storage_offset())
+    return x if op == cublaslt._OP_N else x.t()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(1, 9), st.sampled_from(["row", "col", "padded"]),
+       st.sampled_from(["row", "col", "padded"]), st.integers(0, 2**31 - 1))  # fmt: skip
+def test_the_column_major_call_computes_the_row_major_product(M, K, N, layout_a, layout_b, seed):
+    """What ``matmul`` hands cuBLASLt (``_operand``'s op and leading dim, the layouts' shapes),
+    evaluated as cuBLASLt reads memory (column-major), is ``a @ b`` in ``out``'s row-major
+    memory: ``D (N x M) = op(b) @ op(a)``."""
+    a, b = _laid_out(M, K, layout_a, seed), _laid_out(K, N, layout_b, seed + 1)
+    (op_a, ld_a), (op_b, ld_b) = cublaslt._operand(a), cublaslt._operand(b)
+    A = _column_major(b, op_b, ld_b, *((N, K) if op_b == cublaslt._OP_N else (K, N)))
+    B = _column_major(a, op_a, ld_a, *((K, M) if op_a == cublaslt._OP_N else (M, K)))
+    assert A.shape == (N, K) and B.shape == (K, M)
+    D = A @ B  # column-major N x M with ld N is the row-major [M, N] result
+    assert torch.allclose(D.t(), a @ b)
+
+
+def test_operands_cublaslt_cannot_read_as_they_lie_are_refused():
+    x = torch.randn(16, 32, dtype=BF16)
+    assert cublaslt._operand(x[:, ::2]) is None  # neither dim unit-strided
+    assert not cublaslt.supports(x, torch.randn(32, 8, dtype=torch.float32))  # dtypes differ
+    assert not cublaslt.supports(x, torch.randn(32, 12, dtype=BF16))  # 12 not a multiple of 8
+    assert cublaslt.supports(x, torch.randn(8, 32, dtype=BF16).t())
+    assert not cublaslt.available(torch.device("cpu"))

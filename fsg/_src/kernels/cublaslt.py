@@ -117,7 +117,7 @@ def _handle(device: torch.device) -> tuple[int, torch.Tensor]:
     """The process's cuBLASLt handle and workspace for ``device`` (made once, kept)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _LOCK:
-        if index not in _HANDLES:
+        if index not in _HANDLES:  # matmul made index the current device
             handle = ctypes.c_void_p()
             _check(_lib().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
             _HANDLES[index] = handle.value
@@ -179,6 +179,11 @@ def matmul(
     ``EPILOGUE_DGELU_BGRAD`` that and its column sums into ``bias`` (``[N]``, ``a``'s dtype).
     The operands must pass ``supports``. ``algo`` picks among cuBLASLt's heuristic candidates
     (0: its first choice; ``benchmarks/gemm_epilogue.py --algos`` times the others)."""
+    with torch.cuda.device(a.device):  # the handle, stream and launch on a's device
+        return _matmul(a, b, epilogue, bias, aux, algo)
+
+
+def _matmul(a, b, epilogue: int, bias, aux, algo: int) -> torch.Tensor:
     lib, (M, K), N = _lib(), a.shape, b.shape[1]
     handle, workspace = _handle(a.device)
     dtype = _DATA_TYPES[a.dtype]
