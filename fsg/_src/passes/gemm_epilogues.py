@@ -62,8 +62,9 @@ def force():
 
 
 def gemm_epilogues(gm: fx.GraphModule) -> int:
-    """Rewrites each tanh GELU fed by a bias ``addmm`` and each tanh GELU gradient fed by an
-    ``mm`` (see the module docstring). Returns how many GEMMs took an epilogue."""
+    """Rewrites each tanh GELU fed by a bias ``addmm`` (or an ``mm``) and, with
+    ``FUSE_BACKWARD``, each tanh GELU gradient fed by an ``mm`` (see the module docstring).
+    Returns how many GEMMs took an epilogue."""
     if not fused_ops_enabled():
         return 0
     fused, rewriter = 0, _Rewriter(gm.graph)
