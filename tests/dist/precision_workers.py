@@ -59,3 +59,29 @@ def first_losses(axes: dict, preset: str, policy: str) -> tuple[float, float]:
         float(mesh(mesh.init(fsg.params(model)), batch)[1]["loss"]),
         float(one(one.init(fsg.params(model)), batch)[1]["loss"]),
     )
+
+
+def gemm_epilogues_keep_the_step(axes: dict, preset: str) -> tuple[int, int, bool]:
+    """The tiny GPT's bf16 step on the mesh with the GELU epilogues' ops in place (forced on
+    CPU, where they run the aten ops they replace) against the same step without them: returns
+    how many forward and backward ops the rank's graph holds and whether three steps left
+    every local parameter bit for bit as the plain step did."""
+    import contextlib
+
+    from fsg._src.passes import gemm_epilogues
+
+    runs = []
+    for forced in (False, True):
+        model = tiny_gpt()
+        step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2),
+                                param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp") if "dp" in axes else None,
+                                precision=POLICIES["bf16"], backend="eager")  # fmt: skip
+        with gemm_epilogues.force() if forced else contextlib.nullcontext():
+            state = step.init(fsg.params(model))
+            text = step.lower(state, gpt_batches(1)[0]).as_text()
+            for batch in gpt_batches():
+                state, _ = step(state, batch)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]
+        runs.append((text.count("fsg.linear_gelu.default("), text.count("fsg.mm_gelu_backward.default("), local))
+    (_, _, plain), (forward, backward, fused) = runs
+    return forward, backward, all(torch.equal(a, b) for a, b in zip(plain, fused))

@@ -40,3 +40,12 @@ def test_float8_on_data_parallel_casts_each_row_as_the_unsharded_step(ranks, pol
     bug this caught: the loss's all-reduce hid the head) 1e-5 (rowwise) to 5e-5."""
     for sharded, unsharded in ranks(2).run(precision_workers.first_losses, {"dp": 2}, "dp", policy):
         assert abs(sharded - unsharded) <= 1e-5 * abs(unsharded), (sharded, unsharded)
+
+
+@pytest.mark.parametrize("preset, axes", [("dp", {"dp": 2}), ("fsdp", {"dp": 2}), ("tp", {"tp": 2})])
+def test_gemm_epilogues_on_a_mesh_keep_the_step(ranks, preset, axes):
+    """The GELU epilogues' rewrite is local to a rank's graph: under data parallel, FSDP and
+    tensor parallel each rank's MLP takes both ops, and the steps are the plain steps bit for bit
+    (the ops run their aten references on CPU; the epilogues themselves: tests/gpu)."""
+    for forward, backward, same in ranks(2).run(precision_workers.gemm_epilogues_keep_the_step, axes, preset):
+        assert (forward, backward) == (1, 1) and same

@@ -16,8 +16,11 @@ cuBLASLt's ``GELU_AUX_BIAS`` epilogue) and the backward pair as ``fsg::mm_gelu_b
 Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
 unit ``alpha``/``beta`` (or an ``mm``), an ``mm`` read only by the GELU gradient, dims in multiples of 8,
 the tensors on CUDA (``FORCE`` extends it to CPU, where the ops run the aten ops they replace:
-how the CPU tests check the rewrite). One device (not on a mesh), after the float8 pass, which
-takes the matmuls it converts and their GELUs first.
+how the CPU tests check the rewrite). The rewrite is local to the graph it is given, so it
+also runs on each rank's graph on a mesh (data parallel, FSDP, tensor parallel: a sharded
+layer's local matmuls keep the pattern; where a collective stands between the matmul and the
+GELU, the pattern is not there). It runs after the float8 pass, which takes the matmuls it
+converts and their GELUs first.
 """
 
 from __future__ import annotations

@@ -62,10 +62,10 @@ PASSES = (
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
     # the global norm reads bf16 gradients, not float32 casts of them (one device: no mesh)
     Pass("narrow_reads", lambda gm, o: narrow_reads.narrow_reads(gm), lambda o: not o.on_mesh, after=("fuse_adamw",)),
-    # an MLP's tanh GELU, its gradient and bias gradient in cuBLASLt's GEMM epilogues (one
-    # device; after float8, which takes the matmuls it converts and their GELUs first)
+    # an MLP's tanh GELU and its gradient in cuBLASLt's GEMM epilogues (a rank's local rewrite,
+    # so also on a mesh; after float8, which takes the matmuls it converts and their GELUs first)
     Pass("gemm_epilogues", lambda gm, o: gemm_epilogues.gemm_epilogues(gm),
-         lambda o: not o.on_mesh and gemm_epilogues.ENABLED, after=("float8",)),  # fmt: skip
+         lambda o: gemm_epilogues.ENABLED, after=("float8",)),  # fmt: skip
     # a bias gradient summed where its GELU gradient or qkv concatenation is written (one
     # device, when ENABLED: measured slower, off; after float8, which fuses those producers
     # with their FP8 casts instead, and gemm_epilogues, which sums the GELU's in its GEMM)
