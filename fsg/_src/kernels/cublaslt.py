@@ -175,9 +175,10 @@ def matmul(
 ) -> torch.Tensor:
     """``out[M, N]`` (row-major, ``a``'s dtype) of ``a[M, K] @ b[K, N]`` through ``epilogue``:
     ``EPILOGUE_GELU_AUX_BIAS`` writes ``gelu_tanh(a @ b + bias)`` and the pre-activation into
-    ``aux`` (``[M, N]``, contiguous), ``EPILOGUE_GELU_AUX`` the same without a bias; ``EPILOGUE_DGELU`` writes ``(a @ b) * gelu_tanh'(aux)``,
-    ``EPILOGUE_DGELU_BGRAD`` that and its column sums into ``bias`` (``[N]``, ``a``'s dtype).
-    The operands must pass ``supports``. ``algo`` picks among cuBLASLt's heuristic candidates
+    ``aux`` (``[M, N]``, contiguous), ``EPILOGUE_GELU_AUX`` the same without a bias;
+    ``EPILOGUE_DGELU`` writes ``(a @ b) * gelu_tanh'(aux)``, ``EPILOGUE_DGELU_BGRAD`` that and
+    its column sums into ``bias`` (``[N]``, ``a``'s dtype). The operands must pass
+    ``supports``. One workspace a device: calls on one stream at a time (a step's). ``algo`` picks among cuBLASLt's heuristic candidates
     (0: its first choice; ``benchmarks/gemm_epilogue.py --algos`` times the others)."""
     with torch.cuda.device(a.device):  # the handle, stream and launch on a's device
         return _matmul(a, b, epilogue, bias, aux, algo)
