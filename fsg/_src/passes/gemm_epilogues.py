@@ -15,7 +15,7 @@ cuBLASLt's ``GELU_AUX_BIAS`` epilogue) and the backward pair as ``fsg::mm_gelu_b
 ``dh``; the bias gradient ``sum(dh, [0])`` stays Inductor's.
 Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
 unit ``alpha``/``beta`` (or an ``mm``), an ``mm`` read only by the GELU gradient, dims in multiples of 8,
-the tensors on CUDA (``FORCE`` extends it to CPU, where the ops run the aten ops they replace:
+the tensors on CUDA (``force()`` extends it to CPU, where the ops run the aten ops they replace:
 how the CPU tests check the rewrite). The rewrite is local to the graph it is given, so it
 also runs on each rank's graph on a mesh (data parallel, FSDP, tensor parallel: a sharded
 layer's local matmuls keep the pattern; where a collective stands between the matmul and the
@@ -25,7 +25,6 @@ converts and their GELUs first.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import operator
 
@@ -34,11 +33,11 @@ from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.kernels import linear_gelu  # noqa: F401 - registers the ops
-from fsg._src.kernels._common import fused_ops_enabled
+from fsg._src.kernels._common import _flag, fused_ops_enabled
 from fsg._src.passes import float8_fuse
 
 aten = torch.ops.aten
-_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_FLATTENS = float8_fuse._FLATTENS
 LINEAR_GELU, MM_GELU_BACKWARD = torch.ops.fsg.linear_gelu.default, torch.ops.fsg.mm_gelu_backward.default
 _DTYPES = (torch.bfloat16, torch.float16)
 # On by default where it applies; benchmarks/gpt.py's fsg-noepilogue turns it off for the A/B.
@@ -53,15 +52,10 @@ FUSE_BACKWARD = True
 _FORCE = contextvars.ContextVar("fsg_gemm_epilogues_force", default=False)
 
 
-@contextlib.contextmanager
 def force():
     """Within this context the pass also rewrites CPU graphs (the ops then run their aten
     references): for tests of the rewrite on a machine without a GPU."""
-    token = _FORCE.set(True)
-    try:
-        yield
-    finally:
-        _FORCE.reset(token)
+    return _flag(_FORCE)
 
 
 def gemm_epilogues(gm: fx.GraphModule) -> int:
