@@ -42,7 +42,8 @@ def byte_windows(data: bytes, n: int, batch: int, seq: int, seed: int, device: s
 
 def profile_table(step, sync, path: Path, steps: int = 3) -> None:
     """A CUDA-time table of ``steps`` more calls of ``step(i)`` (torch.profiler), top kernels
-    first, written to ``path``: the costliest 60 rows, or ``FSG_PROFILE_ROWS`` from the environment."""
+    first, written to ``path``: the costliest 60 rows, or ``FSG_PROFILE_ROWS`` from the environment;
+    ``FSG_PROFILE_TRACE=1`` also writes the timeline (``path`` with ``.json``, chrome://tracing)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -53,3 +54,5 @@ def profile_table(step, sync, path: Path, steps: int = 3) -> None:
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{steps} steps\n{table}\n")
+    if os.environ.get("FSG_PROFILE_TRACE") == "1":
+        prof.export_chrome_trace(str(path.with_suffix(".json")))

@@ -42,6 +42,8 @@ Implementations (--impl):
   fsg-noepilogue   fsg with the gemm_epilogues pass off: the MLP's GELU and GELU gradient left
             to Inductor's kernels instead of cuBLASLt's GEMM epilogues
   fsg-epilogue-fwd   fsg with only the pass's forward half (the GELU in the up-projection's GEMM)
+  fsg-atensums   fsg with backend/column_sums.py off: the last step of Inductor's mix-order
+            reductions left to torch's sum (a memset and a reduction kernel each)
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -173,6 +175,9 @@ def run_torch(impl: str, args) -> dict:
 
         gemm_epilogues.ENABLED = "noepilogue" not in impl
         gemm_epilogues.FUSE_BACKWARD = impl != "fsg-epilogue-fwd"
+        from fsg._src.backend import column_sums
+
+        column_sums.ENABLED = impl != "fsg-atensums"
 
         def loss_fn(params, batch):
             if logits_loss:

@@ -248,3 +248,33 @@ def test_version_moves_at_an_in_place_write_to_any_view_also_while_tracing():
     _torch_private.trace_fake(f, torch.ones(2, 3))
     for (y0, v0), (y1, v1) in seen:
         assert y0 == v0 and y1 == v1 and y1 > y0
+
+
+def test_wrapper_lines_rewritten_sees_the_lines_inductor_writes():
+    """The hook ``backend/column_sums.py`` uses: every string line of an Inductor wrapper goes
+    through the rewrite, which may add an import; and Inductor's mix-order reductions still
+    end with the line it rewrites (``ws[a : b].view(n, C).sum(dim=0)``, written by
+    ``SIMDScheduling``; a change of that format fails here, not silently in a GPU profile)."""
+    import inspect
+
+    from torch._inductor.codegen import simd
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    source = inspect.getsource(simd)
+    assert ".view({nsplit}, {rnumel}).{opname}(dim=0)" in source
+    assert "wrapper_code.writeline(final_reduce)" in source
+    seen = []
+
+    def rewrite(line, imports):
+        seen.append(line)
+        imports.writeline("import math")
+        return line.replace("old", "new")
+
+    wrapper = PythonWrapperCodegen.__new__(PythonWrapperCodegen)  # the buffers writeline uses, nothing more
+    from torch._inductor.utils import IndentedBuffer
+
+    wrapper.lines, wrapper.imports = [], IndentedBuffer()
+    with _torch_private.wrapper_lines_rewritten(rewrite):
+        wrapper.writeline("buf0 = old")
+    assert seen == ["buf0 = old"] and "buf0 = new" in [str(line) for line in wrapper.lines]
+    assert "import math" in wrapper.imports.getvalue()

@@ -7,6 +7,7 @@ fails one test, not the whole library.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any, Callable
@@ -29,7 +30,7 @@ __all__ = [  # fmt: skip
     "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "core_decompositions",
     "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional", "fake_mode",
     "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args", "register_sharding",
-    "return_names", "trace_fake", "version",
+    "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
@@ -84,10 +85,9 @@ def dtensor_has_rule(op: Any) -> bool:
 
 def dtensor_index_put_rule_is_positional() -> bool:
     """Whether DTensor's rule for ``index_put`` is torch 2.11's ``prop_index_put``, which pairs
-    ``values``' dims with ``self``'s from the right as if no dim were indexed: for
-    ``self[ids] += values`` with ``values`` sharded on its rows (the backward of
-    ``table.index_select(0, ids)``) it shards ``self``'s indexed dim too and indexes each shard
-    with the gathered ids. torch 2.13 replaced it with a single-dim strategy that is correct."""
+    ``values``' dims with ``self``'s from the right as if no dim were indexed: for ``self[ids]
+    += values`` with ``values`` sharded on its rows it shards ``self``'s indexed dim too and
+    indexes each shard with the gathered ids (torch 2.13's single-dim strategy is correct)."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     rule = getattr(propagator, "op_strategy_funcs", {}).get(torch.ops.aten.index_put.default)
     return getattr(rule, "__name__", "") == "prop_index_put"
@@ -193,17 +193,13 @@ def trace_fake(
     source_lines: bool = False,
     decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> torch.fx.GraphModule:
-    """Traces ``fn(*args)`` to an aten FX graph on fake tensors.
-
-    ``decompositions`` maps ops to Python functions run in their place while tracing (the
-    graph records what they call); fsg's corrections of torch's decompositions and its
-    rewrites of ops whose schemas hide writes (``fsg/_src/decompositions.py``) always apply.
-
-    Real tensors that ``fn`` closes over (a module's own buffers, say) are allowed and become
-    constants of the graph (``_allow_non_fake_inputs``). ``source_lines`` records each node's
-    Python stack in ``node.meta["stack_trace"]`` (for error messages that name the user's
-    line); it costs about a fifth of the trace.
-    """
+    """Traces ``fn(*args)`` to an aten FX graph on fake tensors. ``decompositions`` maps ops
+    to Python functions run in their place while tracing (the graph records what they call);
+    fsg's corrections of torch's decompositions and its rewrites of ops whose schemas hide
+    writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
+    (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
+    ``source_lines`` records each node's Python stack in ``node.meta["stack_trace"]`` (for
+    errors that name the user's line); it costs about a fifth of the trace."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     return make_fx(
         fn,
@@ -260,13 +256,29 @@ def inductor_compile(
     gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
     """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
-    dtypes and strides, without Dynamo re-tracing the graph (``standalone_compile``, torch
-    2.8+). AOTAutograd's and Inductor's on-disk caches apply as they do under
-    ``torch.compile``; the result is called with tensors like ``example_inputs``. ``options``
-    are keyword arguments of ``compile_fx`` (``config_patches``: Inductor config overrides)."""
+    dtypes and strides, without Dynamo re-tracing it (``standalone_compile``, torch 2.8+), its
+    on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``)."""
     return torch._inductor.standalone_compile(
         gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options
     )
+
+
+@contextlib.contextmanager
+def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
+    """Within: each line Inductor's Python wrapper codegen (``PythonWrapperCodegen``) writes
+    is ``rewrite(line, imports)`` first (``imports``: the module's import block, an
+    ``IndentedBuffer``). Not thread-safe: one compile at a time."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    original = PythonWrapperCodegen.writeline
+
+    PythonWrapperCodegen.writeline = lambda self, line: original(
+        self, rewrite(line, self.imports) if isinstance(line, str) else line
+    )
+    try:
+        yield
+    finally:
+        PythonWrapperCodegen.writeline = original
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.backend import index_put, views
+from fsg._src.backend import column_sums, index_put, views
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -113,7 +113,8 @@ class InductorStep:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
+            with column_sums.final_sums_as_kernels():
+                fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
             log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
         self._last = (key, fn)
         return self._own(fn(*inputs))
