@@ -44,6 +44,8 @@ Implementations (--impl):
   fsg-epilogue-fwd   fsg with only the pass's forward half (the GELU in the up-projection's GEMM)
   fsg-atensums   fsg with backend/column_sums.py off: the last step of Inductor's mix-order
             reductions left to torch's sum (a memset and a reduction kernel each)
+  fsg-eachcast   fsg with the batch_casts pass off: each parameter cast to bf16 by a kernel of
+            its own (Inductor's), not all in one multi-tensor launch
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -178,6 +180,9 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.backend import column_sums
 
         column_sums.ENABLED = impl != "fsg-atensums"
+        from fsg._src.passes import batch_casts
+
+        batch_casts.ENABLED = impl != "fsg-eachcast"
 
         def loss_fn(params, batch):
             if logits_loss:

@@ -322,10 +322,11 @@ def test_the_declared_order_is_the_order_the_passes_need():
         "fuse_adamw", "strip_markers", "gemm_epilogues", "bucket_parameter_gathers", "bucket_gradient_collectives",
         "update_on_arrival", "defer_small_collectives",
     ]  # fmt: skip
-    assert [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())] == ["narrow_reads", "gemm_epilogues"]
+    applies = [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
+    assert applies == ["narrow_reads", "gemm_epilogues", "batch_casts"]
     one_device = pipeline.Options(adamw=object())
     names = [p.name for p in pipeline.order([p for p in pipeline.PASSES if p.applies(one_device)])]
-    assert names == ["fuse_adamw", "strip_markers", "narrow_reads", "gemm_epilogues"]
+    assert names == ["fuse_adamw", "strip_markers", "narrow_reads", "gemm_epilogues", "batch_casts"]
 
 
 def _erase_relu(gm, options):

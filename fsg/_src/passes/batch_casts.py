@@ -1,0 +1,98 @@
+"""Stage 3 graph pass: the parameters' casts to the compute dtype as one launch.
+
+Under ``Policy(compute=bfloat16)`` the traced step casts each float32 parameter where the
+forward reads it, ``_to_copy(param, dtype=bfloat16)``, and Inductor gives each cast a kernel
+of its own (fused at most with a transpose): at GPT-2 124M ~110 small launches, ~0.43 ms a
+step on an H200 for 0.74 GB of traffic. ``batch_casts`` replaces every such cast of a step
+input (a parameter, read directly or through ``detach``) by a view of one
+``fsg::cast_flat`` buffer (``kernels/cast_flat.py``: one multi-tensor launch at the start of
+the step), grouped by source and target dtype. The values are the same bits (each is the same
+rounding of the same float32 number); what changes is when they are written: all at the start,
+so each cast buffer lives from there to its last reader instead of from its first.
+
+It applies on one device (a mesh's parameters reach the forward through collectives), to
+16-bit targets on CUDA (``force()`` extends it to CPU, where the op runs ``copy_`` casts: how
+the CPU tests check the rewrite), and where a group has at least two casts.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private
+from fsg._src.kernels import cast_flat  # registers the op
+from fsg._src.kernels._common import _flag
+
+aten = torch.ops.aten
+CAST_FLAT = torch.ops.fsg.cast_flat.default
+_TARGETS = (torch.bfloat16, torch.float16)
+ENABLED = True  # benchmarks/gpt.py's fsg-eachcast turns it off for the A/B
+_FORCE = contextvars.ContextVar("fsg_batch_casts_force", default=False)
+
+
+def force():
+    """Within this context the pass also rewrites CPU graphs (for tests without a GPU)."""
+    return _flag(_FORCE)
+
+
+def _source(cast: fx.Node) -> fx.Node | None:
+    """The step input ``cast`` converts (through one ``detach``), if it is a plain cast of one
+    to a 16-bit dtype on CUDA (or forced) that keeps its layout; else ``None``."""
+    if cast.op != "call_function" or cast.target is not aten._to_copy.default or len(cast.args) != 1:
+        return None
+    if set(cast.kwargs) != {"dtype"} or cast.kwargs["dtype"] not in _TARGETS:
+        return None
+    src = cast.args[0]
+    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.detach.default:
+        src = src.args[0]
+    if not isinstance(src, fx.Node) or src.op != "placeholder":
+        return None
+    val = src.meta.get("val")
+    ok = (
+        isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != cast.kwargs["dtype"]
+        and val.is_contiguous() and val.numel() > 0 and (val.device.type == "cuda" or _FORCE.get())
+    )  # fmt: skip
+    return src if ok else None
+
+
+def batch_casts(gm: fx.GraphModule) -> int:
+    """Rewrites the casts of step inputs as views of one ``fsg::cast_flat`` per (source
+    dtype, target dtype, device) group (see the module docstring); returns how many."""
+    groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        src = _source(node)
+        if src is not None:
+            val = src.meta["val"]
+            groups.setdefault((val.dtype, node.kwargs["dtype"], val.device), []).append((node, src))
+    mode, done = _torch_private.fake_mode(), 0
+    for (_, dtype, _), pairs in groups.items():
+        if len(pairs) < 2:
+            continue
+        casts, sources = zip(*pairs)
+        starts, _ = cast_flat.flat_offsets([s.meta["val"].numel() for s in sources])
+        with gm.graph.inserting_before(casts[0]):
+            flat = _call(gm.graph, mode, CAST_FLAT, (list(sources), dtype))
+        for cast, src, start in zip(casts, sources, starts):
+            shape = list(cast.meta["val"].shape)
+            with gm.graph.inserting_before(cast):
+                piece = _call(gm.graph, mode, aten.slice.Tensor, (flat, 0, start, start + cast.meta["val"].numel()))
+                view = _call(gm.graph, mode, aten.view.default, (piece, shape))
+            cast.replace_all_uses_with(view)
+            detach = cast.args[0]
+            gm.graph.erase_node(cast)
+            if detach is not src and not detach.users:
+                gm.graph.erase_node(detach)
+            done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _call(graph: fx.Graph, mode, target, args: tuple) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = _torch_private.fake_result(mode, target, args)
+    return node
