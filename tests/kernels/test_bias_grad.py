@@ -105,5 +105,5 @@ def test_the_pipeline_runs_the_pass_only_when_it_is_on(monkeypatch):
     on_one_device = [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
     assert ("fuse_bias_grads" in on_one_device) == P.ENABLED
     monkeypatch.setattr(P, "ENABLED", True)
-    assert [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())][-1] == "fuse_bias_grads"
+    assert "fuse_bias_grads" in [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
     assert "fuse_bias_grads" not in [p.name for p in pipeline.PASSES if p.applies(pipeline.Options(on_mesh=True))]

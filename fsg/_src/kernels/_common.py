@@ -73,7 +73,7 @@ class RowTiling:
     """How a row-wise kernel over ``[M, N]`` tiles its work: each program holds ``rows`` rows
     of ``block`` columns at once (about 4096 elements, so narrow rows still fill the warps)
     and, in a backward, walks ``iters`` such tiles, summing its weight-gradient partials in
-    registers; ``programs`` partial rows are left for one torch reduction."""
+    registers; ``programs`` partial rows are left for one ``column_sum`` launch."""
 
     def __init__(
         self,

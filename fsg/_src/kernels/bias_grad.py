@@ -14,7 +14,7 @@ cast off, produces ``g``, writes it and sums its columns in the same visit:
   piece by piece where attention's backward wrote it (transposed heads included).
 
 Each program keeps a float32 row of column sums of the rows it walks, as the readers see them
-(rounded to ``g``'s dtype); one torch reduction adds the programs' rows. The sums equal
+(rounded to ``g``'s dtype); one ``column_sum`` launch adds the programs' rows. The sums equal
 Inductor's to float32 rounding (``tests/kernels/test_bias_grad.py``).
 """
 
@@ -25,6 +25,7 @@ import math
 import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
+from fsg._src.kernels.column_sum import column_sum
 from fsg._src.kernels.float8_cast import _rows_of
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import launch
@@ -58,7 +59,7 @@ def gelu_backward_colsum(dy: torch.Tensor, h: torch.Tensor, approximate: str) ->
     part = torch.empty((t.programs, N), dtype=torch.float32, device=dy.device)
     g_MN = torch.empty_like(dy_MN)
     launch([dy_MN], h_MN, g_MN, None, None, part, f"gelu_backward:{approximate}", t)
-    return g_MN.reshape(dy.shape), part.sum(0)
+    return g_MN.reshape(dy.shape), column_sum(part)
 
 
 @torch.library.custom_op("fsg::cat_colsum", mutates_args=())
@@ -75,7 +76,7 @@ def cat_colsum(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     part = torch.empty((t.programs, N), dtype=torch.float32, device=xs[0].device)
     g_MN = torch.empty((M, N), dtype=xs[0].dtype, device=xs[0].device)
     launch(pieces, None, g_MN, None, None, part, "identity", t)
-    return g_MN.reshape(*xs[0].shape[:-1], N), part.sum(0)
+    return g_MN.reshape(*xs[0].shape[:-1], N), column_sum(part)
 
 
 @gelu_backward_colsum.register_fake
