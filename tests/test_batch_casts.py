@@ -80,22 +80,24 @@ def _graph(fn, *inputs):
 
 
 def test_casts_of_inputs_become_views_of_one_launch_and_others_stay():
-    """Casts of inputs (directly or through detach) to bf16 join one group; a cast of a
-    computed value, a cast with a memory format, and a lone fp16 cast stay as they were."""
+    """Casts of inputs (directly, through detach, or through a view to the input's own shape,
+    as stage 2 hands a rank its local tensor) to bf16 join one group; a cast of a computed
+    value, of a view to another shape, a cast with a memory format, and a lone fp16 cast stay
+    as they were."""
 
     def fn(a, b, c, d):
         return (
-            a.detach().to(BF16).sum() + b.to(BF16).sum() + (c * 2).to(BF16).sum()
-            + d.to(BF16, memory_format=torch.contiguous_format).sum() + c.to(F16).sum()
+            a.detach().to(BF16).sum() + b.to(BF16).sum() + (c * 2).to(BF16).sum() + d.view(2, 2).detach().to(BF16).sum()
+            + d.view(4).to(BF16).sum() + d.to(BF16, memory_format=torch.contiguous_format).sum() + c.to(F16).sum()
         )  # fmt: skip
 
     inputs = [torch.randn(3, 4), torch.randn(5), torch.randn(7), torch.randn(2, 2)]
     gm = _graph(fn, *inputs)
     want = gm(*inputs)
     with P.force():
-        assert P.batch_casts(gm) == 2
+        assert P.batch_casts(gm) == 3
     text = gm.code
-    assert text.count("fsg.cast_flat.default(") == 1 and text.count("_to_copy.default(") == 3
+    assert text.count("fsg.cast_flat.default(") == 1 and text.count("_to_copy.default(") == 4
     assert torch.equal(gm(*inputs), want)
 
 
@@ -107,12 +109,14 @@ def test_without_force_cpu_graphs_and_single_casts_are_left_alone():
         assert P.batch_casts(lone) == 0
 
 
-def test_the_pipeline_runs_it_on_one_device_last_of_the_rewrites():
+def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
+    """On a mesh each rank's graph (tests/dist/test_precision.py), before the gathers are packed."""
     by_name = {p.name: p for p in pipeline.PASSES}
     assert by_name["batch_casts"].applies(pipeline.Options())
-    assert not by_name["batch_casts"].applies(pipeline.Options(on_mesh=True))
+    assert by_name["batch_casts"].applies(pipeline.Options(on_mesh=True))
     names = [p.name for p in pipeline.order(list(pipeline.PASSES))]
     assert all(names.index(a) < names.index("batch_casts") for a in ("float8", "gemm_epilogues", "fuse_adamw"))
+    assert names.index("batch_casts") < names.index("bucket_parameter_gathers")
 
 
 def _gpt_run(forced: bool, backend: str, steps=3):

@@ -319,8 +319,8 @@ def test_the_declared_order_is_the_order_the_passes_need():
     everything = pipeline.Options(adamw=object(), on_mesh=True, bucket_mb=25.0)
     names = [p.name for p in pipeline.order([p for p in pipeline.PASSES if p.applies(everything)])]
     assert names == [
-        "fuse_adamw", "strip_markers", "gemm_epilogues", "bucket_parameter_gathers", "bucket_gradient_collectives",
-        "update_on_arrival", "defer_small_collectives",
+        "fuse_adamw", "strip_markers", "gemm_epilogues", "batch_casts", "bucket_parameter_gathers",
+        "bucket_gradient_collectives", "update_on_arrival", "defer_small_collectives",
     ]  # fmt: skip
     applies = [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
     assert applies == ["narrow_reads", "gemm_epilogues", "batch_casts"]

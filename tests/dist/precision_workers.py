@@ -61,27 +61,29 @@ def first_losses(axes: dict, preset: str, policy: str) -> tuple[float, float]:
     )
 
 
-def gemm_epilogues_keep_the_step(axes: dict, preset: str) -> tuple[int, int, bool]:
-    """The tiny GPT's bf16 step on the mesh with the GELU epilogues' ops in place (forced on
-    CPU, where they run the aten ops they replace) against the same step without them: returns
-    how many forward and backward ops the rank's graph holds and whether three steps left
-    every local parameter bit for bit as the plain step did."""
+def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple[dict, bool]:
+    """The tiny GPT's bf16 step on the mesh with a stage-3 pass forced on CPU (``rewrite``:
+    ``"gemm_epilogues"``, whose ops run the aten ops they replace there, or ``"batch_casts"``)
+    against the same step without it: returns how many of the pass's ops the rank's graph holds
+    and whether three steps left every local parameter bit for bit as the plain step did."""
     import contextlib
+    import importlib
 
-    from fsg._src.passes import gemm_epilogues
-
+    module = importlib.import_module(f"fsg._src.passes.{rewrite}")
+    ops = {"gemm_epilogues": ("fsg.linear_gelu.default(", "fsg.mm_gelu_backward.default("),
+           "batch_casts": ("fsg.cast_flat.default(",)}[rewrite]  # fmt: skip
     runs = []
     for forced in (False, True):
         model = tiny_gpt()
         step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2),
                                 param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp") if "dp" in axes else None,
                                 precision=POLICIES["bf16"], backend="eager")  # fmt: skip
-        with gemm_epilogues.force() if forced else contextlib.nullcontext():
+        with module.force() if forced else contextlib.nullcontext():
             state = step.init(fsg.params(model))
             text = step.lower(state, gpt_batches(1)[0]).as_text()
             for batch in gpt_batches():
                 state, _ = step(state, batch)
         local = [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]
-        runs.append((text.count("fsg.linear_gelu.default("), text.count("fsg.mm_gelu_backward.default("), local))
-    (_, _, plain), (forward, backward, fused) = runs
-    return forward, backward, all(torch.equal(a, b) for a, b in zip(plain, fused))
+        runs.append(({op: text.count(op) for op in ops}, local))
+    (_, plain), (counts, rewritten) = runs
+    return counts, all(torch.equal(a, b) for a, b in zip(plain, rewritten))

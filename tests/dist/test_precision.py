@@ -47,5 +47,15 @@ def test_gemm_epilogues_on_a_mesh_keep_the_step(ranks, preset, axes):
     """The GELU epilogues' rewrite is local to a rank's graph: under data parallel, FSDP and
     tensor parallel each rank's MLP takes both ops, and the steps are the plain steps bit for bit
     (the ops run their aten references on CPU; the epilogues themselves: tests/gpu)."""
-    for forward, backward, same in ranks(2).run(precision_workers.gemm_epilogues_keep_the_step, axes, preset):
-        assert (forward, backward) == (1, 1) and same
+    for counts, same in ranks(2).run(precision_workers.local_rewrite_keeps_the_step, axes, preset, "gemm_epilogues"):
+        assert list(counts.values()) == [1, 1] and same
+
+
+@pytest.mark.parametrize("preset, axes", [("dp", {"dp": 2}), ("fsdp", {"dp": 2}), ("tp", {"tp": 2})])
+def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
+    """The batched parameter casts are local to a rank's graph too: under data parallel, FSDP
+    (each rank casts its shards before the gathers) and tensor parallel, each rank's casts of
+    its parameter inputs come from one ``cast_flat``, and the steps are the plain steps bit for
+    bit (run op by op)."""
+    for counts, same in ranks(2).run(precision_workers.local_rewrite_keeps_the_step, axes, preset, "batch_casts"):
+        assert counts["fsg.cast_flat.default("] == 1 and same

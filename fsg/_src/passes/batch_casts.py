@@ -4,15 +4,18 @@ Under ``Policy(compute=bfloat16)`` the traced step casts each float32 parameter 
 forward reads it, ``_to_copy(param, dtype=bfloat16)``, and Inductor gives each cast a kernel
 of its own (fused at most with a transpose): at GPT-2 124M ~110 small launches, ~0.43 ms a
 step on an H200 for 0.74 GB of traffic. ``batch_casts`` replaces every such cast of a step
-input (a parameter, read directly or through ``detach``) by a view of one
+input (a parameter, read directly or through ``detach``, ``alias`` or a view to its own shape,
+as stage 2 hands a rank its local tensor) by a view of one
 ``fsg::cast_flat`` buffer (``kernels/cast_flat.py``: one multi-tensor launch at the start of
 the step), grouped by source and target dtype. The values are the same bits (each is the same
 rounding of the same float32 number); what changes is when they are written: all at the start,
 so each cast buffer lives from there to its last reader instead of from its first.
 
-It applies on one device (a mesh's parameters reach the forward through collectives), to
-16-bit targets on CUDA (``force()`` extends it to CPU, where the op runs ``copy_`` casts: how
-the CPU tests check the rewrite), and where a group has at least two casts.
+It applies to 16-bit targets on CUDA (``force()`` extends it to CPU, where the op runs
+``copy_`` casts: how the CPU tests check the rewrite), where a group has at least two casts;
+the rewrite is local to the graph it is given, so on a mesh it runs on each rank's graph (data
+parallel: the replicated parameters; FSDP: the shards, cast before their gathers; tensor
+parallel: the local pieces).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def _source(cast: fx.Node) -> fx.Node | None:
     if set(cast.kwargs) != {"dtype"} or cast.kwargs["dtype"] not in _TARGETS:
         return None
     src = cast.args[0]
-    if isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.detach.default:
+    while isinstance(src, fx.Node) and src.op == "call_function" and _same_tensor(src):
         src = src.args[0]
     if not isinstance(src, fx.Node) or src.op != "placeholder":
         return None
@@ -56,6 +59,17 @@ def _source(cast: fx.Node) -> fx.Node | None:
         and val.is_contiguous() and val.numel() > 0 and (val.device.type == "cuda" or _FORCE.get())
     )  # fmt: skip
     return src if ok else None
+
+
+def _same_tensor(node: fx.Node) -> bool:
+    """Whether ``node`` is its first argument under another name: a ``detach``, an ``alias``, or
+    a view to the same shape (how stage 2 hands a rank the local tensor of a parameter)."""
+    if node.target in (aten.detach.default, aten.alias.default):
+        return True
+    if node.target is not aten.view.default or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape
 
 
 def batch_casts(gm: fx.GraphModule) -> int:
@@ -81,10 +95,11 @@ def batch_casts(gm: fx.GraphModule) -> int:
                 piece = _call(gm.graph, mode, aten.slice.Tensor, (flat, 0, start, start + cast.meta["val"].numel()))
                 view = _call(gm.graph, mode, aten.view.default, (piece, shape))
             cast.replace_all_uses_with(view)
-            detach = cast.args[0]
+            between = cast.args[0]
             gm.graph.erase_node(cast)
-            if detach is not src and not detach.users:
-                gm.graph.erase_node(detach)
+            while between is not src and not between.users:  # the detaches and views nothing reads now
+                between, dead = between.args[0], between
+                gm.graph.erase_node(dead)
             done += 1
     if done:
         gm.graph.lint()

@@ -72,10 +72,10 @@ PASSES = (
     # with their FP8 casts instead, and gemm_epilogues, which sums the GELU's in its GEMM)
     Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm),
          lambda o: not o.on_mesh and fuse_bias_grads.ENABLED, after=("float8", "gemm_epilogues")),  # fmt: skip
-    # the parameters' casts to the compute dtype in one launch (one device; after the passes
-    # that match a matmul's or GELU's operands, which then read views of its buffer)
-    Pass("batch_casts", lambda gm, o: batch_casts.batch_casts(gm),
-         lambda o: not o.on_mesh and batch_casts.ENABLED,
+    # the parameters' casts to the compute dtype in one launch (a rank's local rewrite, so also
+    # on a mesh; after the passes that match a matmul's or GELU's operands, which then read
+    # views of its buffer, and before the gathers are packed)
+    Pass("batch_casts", lambda gm, o: batch_casts.batch_casts(gm), lambda o: batch_casts.ENABLED,
          after=("float8", "fuse_adamw", "narrow_reads", "gemm_epilogues", "fuse_bias_grads")),  # fmt: skip
     # the gathers' buckets first: they fix where the forward reads each parameter
     Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
