@@ -101,6 +101,23 @@ def test_casts_of_inputs_become_views_of_one_launch_and_others_stay():
     assert torch.equal(gm(*inputs), want)
 
 
+def test_an_input_cast_twice_is_cast_once():
+    """(Gradient accumulation casts each parameter once per micro-batch.) Both casts read one
+    view; the buffer holds each input once."""
+
+    def fn(a, b):
+        return a.to(BF16).sum() + b.to(BF16).sum() + (a.to(BF16) * 2).sum()
+
+    inputs = [torch.randn(3, 4), torch.randn(5)]
+    gm = _graph(fn, *inputs)
+    want = gm(*inputs)
+    with P.force():
+        assert P.batch_casts(gm) == 3
+    [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
+    assert flat.args[0] == [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert torch.equal(gm(*inputs), want)
+
+
 def test_without_force_cpu_graphs_and_single_casts_are_left_alone():
     gm = _graph(lambda a, b: a.to(BF16).sum() + b.to(BF16).sum(), torch.randn(3), torch.randn(4))
     assert P.batch_casts(gm) == 0
@@ -119,12 +136,12 @@ def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
     assert names.index("batch_casts") < names.index("bucket_parameter_gathers")
 
 
-def _gpt_run(forced: bool, backend: str, steps=3):
+def _gpt_run(forced: bool, backend: str, steps=3, accum_steps=1):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     step = fsg.compile_step(
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
-        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16), backend=backend,
+        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16), backend=backend, accum_steps=accum_steps,
     )  # fmt: skip
     state = step.init(fsg.params(model))
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -151,3 +168,13 @@ def test_a_gpt_step_with_one_cast_launch(backend):
         assert abs(loss - loss_plain) < 1e-2  # (a gradient near 0 that flips sign moves a
         # parameter by 2 lr in Adam: 3 steps at lr 1e-3 bound the difference by 6e-3)
         assert all(torch.allclose(params[k], params_plain[k], atol=6e-3 + 1e-5) for k in params)
+
+
+def test_an_accumulated_step_casts_each_parameter_once():
+    """``accum_steps=2`` (the micro-batches' casts of one parameter share its view): the
+    step equals the plain accumulated step bit for bit (op by op), and the buffer holds each
+    parameter once."""
+    text, loss, params = _gpt_run(True, "aot_eager", accum_steps=2)
+    _, loss_plain, params_plain = _gpt_run(False, "aot_eager", accum_steps=2)
+    assert text.count("fsg.cast_flat.default(") == 1
+    assert loss == loss_plain and all(torch.equal(params[k], params_plain[k]) for k in params)

@@ -83,13 +83,14 @@ def batch_casts(gm: fx.GraphModule) -> int:
             groups.setdefault((val.dtype, node.kwargs["dtype"], val.device), []).append((node, src))
     mode, done = _torch_private.fake_mode(), 0
     for (_, dtype, _), pairs in groups.items():
-        if len(pairs) < 2:
+        sources = list(dict.fromkeys(src for _, src in pairs))  # an input cast twice is cast once
+        if len(sources) < 2:
             continue
-        casts, sources = zip(*pairs)
-        starts, _ = cast_flat.flat_offsets([s.meta["val"].numel() for s in sources])
-        with gm.graph.inserting_before(casts[0]):
-            flat = _call(gm.graph, mode, CAST_FLAT, (list(sources), dtype))
-        for cast, src, start in zip(casts, sources, starts):
+        starts = dict(zip(sources, cast_flat.flat_offsets([s.meta["val"].numel() for s in sources])[0]))
+        with gm.graph.inserting_before(pairs[0][0]):
+            flat = _call(gm.graph, mode, CAST_FLAT, (sources, dtype))
+        for cast, src in pairs:
+            start = starts[src]
             shape = list(cast.meta["val"].shape)
             with gm.graph.inserting_before(cast):
                 piece = _call(gm.graph, mode, aten.slice.Tensor, (flat, 0, start, start + cast.meta["val"].numel()))
