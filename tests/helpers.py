@@ -28,3 +28,30 @@ def mse_loss_fn(model: nn.Module):
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu"):
+    """examples/gpt.py's GPT (``GPTConfig(**config)``, seed 0) trained by ``compile_step`` under
+    ``Policy(compute=bfloat16)`` with AdamW(1e-3), one step per ``[B, T + 1]`` tensor of token
+    ``rows`` (inputs and their next tokens); returns the optimized graph's text, the losses and
+    the final params."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**config)).to(device)
+    step = fsg.compile_step(
+        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]), None,
+        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16),
+    )  # fmt: skip
+    state = step.init(fsg.params(model))
+    batches = [{"x": r[:, :-1].to(device), "y": r[:, 1:].to(device)} for r in rows]
+    text = step.lower(state, batches[0]).as_text()
+    losses = []
+    for batch in batches:  # on CUDA: call 2 captures the step's graph, later calls replay it
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return text, losses, {k: v.clone() for k, v in state.params.items()}

@@ -2,15 +2,12 @@
 kernels/cast_flat.py; skipped without a GPU): the kernel's bits against ``.to()``, and a GPT
 step with and without the pass, replayed as a CUDA graph."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-import fsg
 from fsg._src.kernels import cast_flat as K
 from fsg._src.passes import batch_casts as P
+from tests.helpers import gpt_bf16_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -30,25 +27,10 @@ def test_cast_flat_is_to_bit_for_bit_cuda(dtype):
 
 
 def _gpt(enabled: bool, monkeypatch):
-    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-    from gpt import GPT, GPTConfig
-
     monkeypatch.setattr(P, "ENABLED", enabled)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=256)).cuda()
-    step = fsg.compile_step(
-        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]), None,
-        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16),
-    )  # fmt: skip
-    state = step.init(fsg.params(model))
-    g = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 512, (8, 257), device="cuda", generator=g) for _ in range(5)]
-    text = step.lower(state, {"x": batches[0][:, :-1], "y": batches[0][:, 1:]}).as_text()
-    losses = []
-    for b in batches:  # call 2 captures the graph, calls 3-5 replay it
-        state, m = step(state, {"x": b[:, :-1], "y": b[:, 1:]})
-        losses.append(float(m["loss"]))
-    return text, losses, {k: v.clone() for k, v in state.params.items()}
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 512, (8, 257), generator=g) for _ in range(5)]
+    return gpt_bf16_steps(dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=256), rows, "cuda")
 
 
 def test_a_gpt_step_with_one_cast_launch_cuda(monkeypatch):

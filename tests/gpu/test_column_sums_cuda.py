@@ -2,16 +2,13 @@
 a GPU): the kernel against torch, the rewrite in code Inductor generates, and a step with and
 without it."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-import fsg
 from fsg._src.backend import column_sums as CS
 from fsg._src.kernels import column_sum as K
+from tests.helpers import gpt_bf16_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -47,27 +44,14 @@ def test_inductor_code_calls_the_kernel_for_a_layer_norm_backward():
 
 
 def _gpt_losses(enabled: bool, monkeypatch) -> tuple[list[float], int]:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-    from gpt import GPT, GPTConfig
-
     calls = []
     real = K.column_sum
     monkeypatch.setattr(K, "column_sum", lambda x: calls.append(x.shape) or real(x))  # counts the wrapper's calls
     monkeypatch.setattr(CS, "ENABLED", enabled)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)).cuda()
-    step = fsg.compile_step(
-        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]), None,
-        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16),
-    )  # fmt: skip
-    state = step.init(fsg.params(model))
-    g = torch.Generator(device="cuda").manual_seed(1)
-    losses = []
-    for _ in range(4):
-        x = torch.randint(0, 512, (8, 1024), device="cuda", generator=g)  # 8192 x 768: past the size Inductor fuses at
-        state, m = step(state, {"x": x, "y": x.roll(-1, 1)})
-        losses.append(float(m["loss"]))
-    return losses, len(calls)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 512, (8, 1025), generator=g) for _ in range(4)]  # 8192 x 768: past the size Inductor fuses at
+    config = dict(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)
+    return gpt_bf16_steps(config, rows, "cuda")[1], len(calls)
 
 
 def test_a_gpt_step_with_and_without_the_rewrite(monkeypatch):
