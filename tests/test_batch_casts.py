@@ -65,8 +65,11 @@ def test_the_kernel_casts_each_tensor_into_its_place(shapes, dtype, seed):
 
 
 def test_what_the_kernel_does_not_take_is_cast_all_the_same():
-    """A non-contiguous tensor, or a float64 source: the op's copy_ casts."""
-    tensors = [torch.randn(6, 4).t(), torch.randn(5)]
+    """A non-contiguous tensor, a float64 source, mixed dtypes: the op's copy_ casts; no
+    tensor at all: a clear error."""
+    with pytest.raises(ValueError, match="at least one tensor"):
+        K.cast_flat([], BF16)
+    tensors = [torch.randn(6, 4).t(), torch.randn(5), torch.randn(3, dtype=torch.float16)]
     with cpu_interpreter():
         for piece, t in zip(_pieces(K.cast_flat(tensors, BF16), tensors), tensors):
             assert torch.equal(piece, t.to(BF16))

@@ -69,11 +69,15 @@ def _cast_each(tensors, out) -> None:
 
 @torch.library.custom_op("fsg::cast_flat", mutates_args=())
 def cast_flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """A flat 1-D ``dtype`` buffer holding each of ``tensors`` (contiguous, one dtype, one
-    device), cast, from its ``flat_offsets`` start, row-major."""
+    """A flat 1-D ``dtype`` buffer holding each of ``tensors``, cast, from its ``flat_offsets``
+    start, row-major: one launch when they are contiguous CUDA tensors of one dtype, else a
+    ``copy_`` each."""
+    if not tensors:
+        raise ValueError("fsg::cast_flat needs at least one tensor")
     out = torch.empty(flat_offsets([t.numel() for t in tensors])[1], dtype=dtype, device=tensors[0].device)
     if (not use_triton(tensors[0]) or tensors[0].dtype not in _TL_DTYPES or dtype not in _TL_DTYPES
-            or not all(t.is_contiguous() for t in tensors) or out.numel() == 0):  # fmt: skip
+            or any(t.dtype != tensors[0].dtype or t.device != out.device or not t.is_contiguous() for t in tensors)
+            or out.numel() == 0):  # fmt: skip
         _cast_each(tensors, out)
         return out
     key = (BLOCK, *((t.data_ptr(), t.numel()) for t in tensors))
