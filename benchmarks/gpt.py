@@ -24,6 +24,9 @@ Implementations (--impl):
   compile-max   the same with mode="max-autotune-no-cudagraphs" (minutes of autotuning)
   compile-opt   compile, plus the optimizer step under torch.compile (AdamW(foreach=True),
             lr as a tensor so it never recompiles)
+  compile-opt-nomix   compile-opt with Inductor's mix-order reductions off
+            (TORCHINDUCTOR_MIX_ORDER_REDUCTION=0): 0.8% faster than compile-opt in one call
+            (RESULTS.md, eighteenth session), a variant the baseline search must include
   compile-fp8   compile after torchao's convert_to_float8_training (tensorwise dynamic scaling,
             the head kept in bf16, torchao's filter for dims not divisible by 16): the
             layer-by-layer FP8 baseline (needs torchao: the wheel is carried to the GPU machine)
@@ -143,7 +146,7 @@ def run_torch(impl: str, args) -> dict:
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
 
         compiled = torch.compile(loss_of, mode="max-autotune-no-cudagraphs" if impl == "compile-max" else None)
-        if impl == "compile-opt":  # torch's recipe for a compiled optimizer: a tensor lr, foreach
+        if impl in ("compile-opt", "compile-opt-nomix"):  # torch's recipe for a compiled optimizer: a tensor lr, foreach
             opt = torch.optim.AdamW(
                 model.parameters(), lr=torch.tensor(LR) if cuda else LR, betas=(B1, B2), eps=EPS, weight_decay=WD,
                 foreach=True, capturable=cuda,
@@ -403,7 +406,8 @@ def main() -> None:
     for impl in args.impl.split(","):
         print(f"[gpt {args.model}] {impl} ...", flush=True)
         cmd = [sys.executable, __file__, "--child", impl, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        env = {**os.environ, "TORCHINDUCTOR_MIX_ORDER_REDUCTION": "0"} if impl.endswith("-nomix") else None
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
             print(proc.stdout[-3000:], proc.stderr[-6000:], sep="\n", flush=True)
