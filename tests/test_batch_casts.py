@@ -64,6 +64,20 @@ def test_the_kernel_casts_each_tensor_into_its_place(shapes, dtype, seed):
         torch.testing.assert_close(piece.float(), t, rtol=step, atol=1e-6)
 
 
+@needs_triton
+def test_a_table_is_reused_only_for_the_same_tensors():
+    """The launch's address table is cached by the sources; a transposed view of the same
+    storage (same address and size, not contiguous) or another target dtype takes its own path."""
+    a, b = torch.randn(6, 4), torch.randn(5)
+    with cpu_interpreter():
+        first = K.cast_flat([a, b], BF16)
+        for tensors, dtype in (([a, b], BF16), ([a.t(), b], BF16), ([a, b], F16)):
+            for piece, t in zip(_pieces(K.cast_flat(tensors, dtype), tensors), tensors):
+                torch.testing.assert_close(piece.float(), t, rtol=2**-7, atol=1e-6)
+        again = K.cast_flat([a, b], BF16)  # the cached table: the same bits
+    assert all(torch.equal(x, y) for x, y in zip(_pieces(again, [a, b]), _pieces(first, [a, b])))
+
+
 def test_what_the_kernel_does_not_take_is_cast_all_the_same():
     """A non-contiguous tensor, a float64 source, mixed dtypes: the op's copy_ casts; no
     tensor at all: a clear error."""

@@ -54,9 +54,10 @@ class _Tables:
     def __init__(self, tensors, block: int):
         device = tensors[0].device
         numels = [t.numel() for t in tensors]
+        starts, self.total = flat_offsets(numels)
         self.blocks = Blocks(numels, block, device)
         self.src = upload([t.data_ptr() for t in tensors], torch.int64, device)
-        self.starts = upload(flat_offsets(numels)[0], torch.int64, device)
+        self.starts = upload(starts, torch.int64, device)
 
 
 _TABLES: dict[tuple, _Tables] = {}
@@ -74,22 +75,22 @@ def cast_flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     ``copy_`` each."""
     if not tensors:
         raise ValueError("fsg::cast_flat needs at least one tensor")
-    out = torch.empty(flat_offsets([t.numel() for t in tensors])[1], dtype=dtype, device=tensors[0].device)
-    if (not use_triton(tensors[0]) or tensors[0].dtype not in _TL_DTYPES or dtype not in _TL_DTYPES
-            or any(t.dtype != tensors[0].dtype or t.device != out.device or not t.is_contiguous() for t in tensors)
-            or out.numel() == 0):  # fmt: skip
-        _cast_each(tensors, out)
-        return out
-    key = (BLOCK, *((t.data_ptr(), t.numel()) for t in tensors))
-    tables = _TABLES.get(key)
+    device = tensors[0].device
+    key = (BLOCK, dtype, device, *((t.data_ptr(), t.numel(), t.dtype, t.is_contiguous()) for t in tensors))
+    tables = _TABLES.get(key)  # found: these tensors took the launch before (every step after the first)
     if tables is None:
-        if capturing(out.device):  # no warm-up built the table: nothing can be uploaded now
+        if (not use_triton(tensors[0]) or tensors[0].dtype not in _TL_DTYPES or dtype not in _TL_DTYPES
+                or any(t.dtype != tensors[0].dtype or t.device != device or not t.is_contiguous() for t in tensors)
+                or capturing(device) or not sum(t.numel() for t in tensors)):  # fmt: skip
+            # (while capturing without a warm-up's table nothing can be uploaded)
+            out = torch.empty(flat_offsets([t.numel() for t in tensors])[1], dtype=dtype, device=device)
             _cast_each(tensors, out)
             return out
         if len(_TABLES) >= MAX_CACHED:
             _TABLES.clear()
         tables = _TABLES[key] = _Tables(tensors, BLOCK)
-    if capturing(out.device):
+    out = torch.empty(tables.total, dtype=dtype, device=device)
+    if capturing(device):
         keep_alive(tables)  # the graph reads them at every replay
     _cast_flat_kernel[(tables.blocks.num_blocks,)](
         tables.src, tables.blocks.numels, tables.starts, tables.blocks.block_tensor, tables.blocks.block_offset,
