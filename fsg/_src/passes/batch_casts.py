@@ -30,6 +30,7 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src.kernels import cast_flat  # registers the op
 from fsg._src.kernels._common import _flag
+from fsg._src.passes.moves import meta_value
 
 aten = torch.ops.aten
 CAST_FLAT = torch.ops.fsg.cast_flat.default
@@ -71,8 +72,8 @@ def _same_tensor(node: fx.Node) -> bool:
         return True
     if node.target is not aten.view.default or not isinstance(node.args[0], fx.Node):
         return False
-    before, after = node.args[0].meta.get("val"), node.meta.get("val")
-    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape
+    before, after = meta_value(node.args[0]), meta_value(node)
+    return before is not None and after is not None and before.shape == after.shape
 
 
 def batch_casts(gm: fx.GraphModule) -> int:
