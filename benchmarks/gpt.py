@@ -49,8 +49,6 @@ Implementations (--impl):
             reductions left to torch's sum (a memset and a reduction kernel each)
   fsg-eachcast   fsg with the batch_casts pass off: each parameter cast to bf16 by a kernel of
             its own (Inductor's), not all in one multi-tensor launch
-  fsg-graphmemsets   fsg with backend/graph_memsets.py off: the captured graph keeps the
-            memset nodes of cuBLAS's and cuDNN's small buffers instead of fill kernel nodes
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -188,9 +186,6 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.passes import batch_casts
 
         batch_casts.ENABLED = impl != "fsg-eachcast"
-        from fsg._src.backend import graph_memsets
-
-        graph_memsets.ENABLED = impl != "fsg-graphmemsets"
 
         def loss_fn(params, batch):
             if logits_loss:

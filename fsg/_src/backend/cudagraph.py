@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 
 from fsg._src import distributed
-from fsg._src.backend import graph_memsets
 from fsg._src.errors import CudaGraphWarning
 from fsg._src.kernels._common import capture_warmup, graph_owns
 
@@ -133,11 +132,7 @@ class GraphedStep:
         for buf, x in zip(self._batch, batch):
             buf.copy_(x)
         self._graph, self._owned = None, []  # release an old graph's pool before capturing a new one
-        # keep_graph: the captured cudaGraph_t stays editable until instantiate (graph_memsets.py)
-        graph, owned = torch.cuda.CUDAGraph(keep_graph=graph_memsets.ENABLED), []  # owned: tables the kernels read
+        graph, owned = torch.cuda.CUDAGraph(), []  # owned: what the graph's kernels read (tables)
         with torch.cuda.graph(graph), graph_owns(owned):  # records only: the state is not touched here
             self._outputs = tuple(self._fn(*inputs[: self._num_state], *self._batch))
-        if graph_memsets.ENABLED:
-            graph_memsets.as_kernel_nodes(graph)
-            graph.instantiate()
         self._graph, self._key, self._owned = graph, key, owned
