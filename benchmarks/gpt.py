@@ -256,15 +256,24 @@ def run_torch(impl: str, args) -> dict:
         step(i)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    # an event after each step: the per-step device times show a trend (clocks settling under
+    # sustained load) that the mean alone hides
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
     t0 = time.perf_counter()
     for i in range(args.steps):
+        if events:
+            events[i].record()
         loss = step(i)
+    if events:
+        events[-1].record()
     sync()
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    step_ms = [round(a.elapsed_time(b), 3) for a, b in zip(events, events[1:])]
     if args.profile:
         profile_table(step, sync, Path(f"{args.profile}.{args.model}.{impl}.txt"))
     return {
         "ms": ms,
+        "step_ms": step_ms,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else float("nan"),
         "compile_s": compile_s,
