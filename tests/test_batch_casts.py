@@ -195,3 +195,24 @@ def test_an_accumulated_step_casts_each_parameter_once():
     _, loss_plain, params_plain = _gpt_run(False, "aot_eager", accum_steps=2)
     assert text.count("fsg.cast_flat.default(") == 1
     assert loss == loss_plain and all(torch.equal(params[k], params_plain[k]) for k in params)
+
+
+def test_a_cast_an_fp8_matmul_reads_stays_a_cast():
+    """The bias of ``_scaled_mm`` (FP8 linear layers) stays its own cast: Inductor 2.11's
+    ``_scaled_mm`` lowering fails its size check on a slice of the flat buffer there (seen in
+    tests/gpu/test_float8_cuda.py); the other casts are still batched."""
+    f8 = torch.float8_e4m3fn
+
+    def fn(x, w, bias, a, b):
+        one = torch.ones((), dtype=torch.float32)
+        y = torch._scaled_mm(x.to(f8), w.to(f8).t(), one, one, bias=bias.to(BF16), out_dtype=BF16)
+        return y.sum() + a.to(BF16).sum() + b.to(BF16).sum()
+
+    inputs = [torch.randn(16, 32), torch.randn(16, 32), torch.randn(16), torch.randn(5), torch.randn(3, 4)]
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    with P.force():
+        assert P.batch_casts(gm) == 2
+    [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
+    assert [n.name for n in flat.args[0]] == ["a_1", "b_1"]
+    [mm] = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
+    assert mm.args[4].target is torch.ops.aten._to_copy.default  # the bias
