@@ -3,6 +3,7 @@ as views of one multi-tensor cast, bit for bit (CPU: the op's copy_ casts, and i
 kernel under TRITON_INTERPRET=1)."""
 
 import contextlib
+import re
 import sys
 from pathlib import Path
 
@@ -153,12 +154,12 @@ def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
     assert names.index("batch_casts") < names.index("bucket_parameter_gathers")
 
 
-def _gpt_run(forced: bool, backend: str, steps=3, accum_steps=1):
+def _gpt_run(forced: bool, backend: str, steps=3, accum_steps=1, policy=None):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     step = fsg.compile_step(
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
-        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16), backend=backend, accum_steps=accum_steps,
+        optimizer=fsg.optim.adamw(1e-3), precision=policy or fsg.Policy(compute=BF16), backend=backend, accum_steps=accum_steps,
     )  # fmt: skip
     state = step.init(fsg.params(model))
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -216,3 +217,18 @@ def test_a_cast_an_fp8_matmul_reads_stays_a_cast():
     assert [n.name for n in flat.args[0]] == ["a_1", "b_1"]
     [mm] = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
     assert mm.args[4].target is torch.ops.aten._to_copy.default  # the bias
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_fp8_gpt_step_keeps_its_matmul_biases_as_casts(recipe):
+    """GPT under ``Float8`` through the whole pipeline: the parameters the FP8 matmuls read as
+    bias keep a cast each, the rest come from one ``cast_flat``, and the step trains as the one
+    without the pass (op by op, bit for bit)."""
+    policy = fsg.Policy(compute=BF16, matmul=fsg.Float8(recipe=recipe))
+    text, loss, params = _gpt_run(True, "aot_eager", policy=policy)
+    _, loss_plain, params_plain = _gpt_run(False, "aot_eager", policy=policy)
+    assert text.count("fsg.cast_flat.default(") == 1
+    biases = re.findall(r"_scaled_mm\.default\(.*?bias = (\w+)", text)
+    assert any(b != "None" for b in biases)
+    assert all(b == "None" or b.startswith("_to_copy") for b in biases), biases
+    assert loss == loss_plain and all(torch.equal(params[k], params_plain[k]) for k in params)
