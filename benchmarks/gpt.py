@@ -10,7 +10,9 @@ params, eps 1e-8), bfloat16 compute (torch: autocast; fsg: ``fsg.Policy``; JAX: 
 to bf16 in the loss), the loss in float32. Each implementation runs in its own process (clean
 memory statistics, no allocator sharing, JAX not preallocating), one after the other on the
 same GPU. Step time is the mean over --steps timed steps after --warmup untimed ones (the
-first of which compiles: "compile" is its wall time). Peak memory is the process's peak over
+first of which compiles: "compile" is its wall time); "median step" is the median of the
+steps' device times (a CUDA event after each; torch rows only): the timed steps run at the
+H200's power cap, where a clock dip makes one or two steps slow. Peak memory is the process's peak over
 the whole run, compile and CUDA-graph capture included (torch: max_memory_allocated; JAX:
 peak_bytes_in_use); "reserved" is what the allocator held at most (torch:
 max_memory_reserved; JAX: peak_bytes_reserved where reported). MFU counts
@@ -429,17 +431,19 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "CPU"
     print(f"\n{device}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
     print(f"GPT-2 {args.model}, batch {args.batch} x {args.seq}, {args.name}\n")
-    print("| implementation | step (ms) | tokens/s | MFU | peak mem (GiB) | reserved (GiB) | compile (s) | "
-          "loss first -> last | versions |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| implementation | step (ms) | median step (ms) | tokens/s | MFU | peak mem (GiB) | reserved (GiB) | "
+          "compile (s) | loss first -> last | versions |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for impl, r in rows:
         if r is None:
-            print(f"| {impl} | failed |  |  |  |  |  |  |  |")
+            print(f"| {impl} | failed |  |  |  |  |  |  |  |  |")
             continue
         tokens = args.batch * args.seq
         mfu = flops_per_step(layers, dim, r["n_params"], args.batch, args.seq) / (r["ms"] / 1e3) / 1e12 / PEAK_TFLOPS
+        steps = sorted(r.get("step_ms") or [float("nan")])  # device time per step (CUDA events)
         print(
-            f"| {impl} | {r['ms']:.2f} | {tokens / r['ms'] * 1e3:,.0f} | {mfu:.1%} | {r['peak_gib']:.2f} | {r['reserved_gib']:.2f} | "
+            f"| {impl} | {r['ms']:.2f} | {steps[len(steps) // 2]:.2f} | {tokens / r['ms'] * 1e3:,.0f} | {mfu:.1%} | "
+            f"{r['peak_gib']:.2f} | {r['reserved_gib']:.2f} | "
             f"{r['compile_s']:.1f} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['versions']} |"
         )
 
