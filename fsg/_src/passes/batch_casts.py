@@ -31,7 +31,7 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src.kernels import cast_flat  # registers the op
 from fsg._src.kernels._common import _flag
-from fsg._src.passes.moves import meta_value
+from fsg._src.passes import moves
 
 aten = torch.ops.aten
 CAST_FLAT = torch.ops.fsg.cast_flat.default
@@ -77,14 +77,10 @@ def _read_by_scaled_mm(cast: fx.Node) -> bool:
         for user in node.users:
             if user.target is aten._scaled_mm.default:
                 return True
-            if user.target in _VIEWS and user not in seen:
+            if user.target in moves.VIEWS and user not in seen:
                 seen.add(user)
                 todo.append(user)
     return False
-
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-          aten.t.default, aten.permute.default, aten.expand.default, aten.slice.Tensor)  # fmt: skip
 
 
 def _same_tensor(node: fx.Node) -> bool:
@@ -94,7 +90,7 @@ def _same_tensor(node: fx.Node) -> bool:
         return True
     if node.target is not aten.view.default or not isinstance(node.args[0], fx.Node):
         return False
-    before, after = meta_value(node.args[0]), meta_value(node)
+    before, after = moves.meta_value(node.args[0]), moves.meta_value(node)
     return before is not None and after is not None and before.shape == after.shape
 
 

@@ -14,12 +14,12 @@ from torch import fx
 from fsg._src.passes.ordering import NodeOrder
 
 _aten = torch.ops.aten
-_VIEWS = frozenset(
+VIEWS = frozenset(  # the single-input views (and detach) of the graphs the passes see
     {_aten.t.default, _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
      _aten.transpose.int, _aten.squeeze.dim, _aten.unsqueeze.default, _aten.alias.default, _aten.detach.default}
 )  # fmt: skip
 # views, plus the dtype cast: the pure single-input ops moved with a collective's input or result
-MOVABLE = _VIEWS | {_aten._to_copy.default}
+MOVABLE = VIEWS | {_aten._to_copy.default}
 
 
 def hoist_views(node: fx.Node, order: NodeOrder | None = None) -> None:
