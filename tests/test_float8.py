@@ -797,6 +797,11 @@ def test_mlp_fp8_step_under_inductor_matches_eager():
         (lambda: fsg.Float8(filter="fc"), r"Float8\(filter=...\) must be callable"),
         (lambda: fsg.Float8(keep_output_head=None), r"Float8\(keep_output_head=...\) must be True or False"),
         (lambda: fsg.Float8(grad_weight=True), r"Float8\(grad_weight=...\) must be one of \(None, 'fp8', 'compute'\)"),
+        (lambda: fsg.Float8(all_gather="e4m3"), r"Float8\(all_gather=...\) must be one of \('compute', 'fp8'\)"),
+        (
+            lambda: fsg.Float8(recipe="rowwise", all_gather="fp8"),
+            r"Float8\(all_gather='fp8'\) needs recipe='tensorwise' .* got str 'rowwise'. Use recipe='tensorwise'",
+        ),
         (
             lambda: fsg.Policy(compute=torch.bfloat16, matmul="fp8"),
             r"Policy\(matmul=...\) must be None or an fsg.Float8",

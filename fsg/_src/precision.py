@@ -45,6 +45,7 @@ class _Float8Fields(NamedTuple):
     filter: Callable[[str], bool] | None
     keep_output_head: bool
     grad_weight: str | None
+    all_gather: str
 
 
 class Float8(_Float8Fields):
@@ -71,6 +72,12 @@ class Float8(_Float8Fields):
         rowwise, whose grad-weight scales run along the tokens (a scale per column of ``dY``
         and of ``X``: each needs a transposed cast after a reduction over all rows, which pays
         at large widths only; docs/precision.md#fp8).
+      all_gather: how FSDP gathers a weight that only FP8 matmuls read: ``"compute"`` (the
+        default: the shard cast to the compute dtype, gathered, then cast to FP8) or ``"fp8"``
+        (tensorwise only: each rank's amax all-reduced in one collective with the others, the
+        shard cast to FP8 with the global scale, then gathered: half the bytes of a bf16
+        gather, bit for bit the same operands and step). Nothing to do on one device or under
+        plain data parallel, whose weights are not gathered.
 
     Example:
       >>> cfg = fsg.Float8(filter=lambda name: not name.startswith("blocks.0."))
@@ -81,8 +88,9 @@ class Float8(_Float8Fields):
     __slots__ = ()
 
     def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | None = None,
-                keep_output_head: bool = True, grad_weight: str | None = None) -> Float8:  # fmt: skip
-        return check_float8(super().__new__(cls, recipe, filter, keep_output_head, grad_weight))
+                keep_output_head: bool = True, grad_weight: str | None = None,
+                all_gather: str = "compute") -> Float8:  # fmt: skip
+        return check_float8(super().__new__(cls, recipe, filter, keep_output_head, grad_weight, all_gather))
 
     @property
     def fp8_grad_weight(self) -> bool:
@@ -92,6 +100,7 @@ class Float8(_Float8Fields):
 
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_GRAD_WEIGHTS = (None, "fp8", "compute")
+FLOAT8_ALL_GATHERS = ("compute", "fp8")
 
 
 def check_float8(cfg: Any) -> Float8:
@@ -106,6 +115,13 @@ def check_float8(cfg: Any) -> Float8:
     if cfg.grad_weight not in FLOAT8_GRAD_WEIGHTS:
         raise checks.fail("fsg.Float8(grad_weight=...)", f"must be one of {FLOAT8_GRAD_WEIGHTS}", cfg.grad_weight,
                           "E.g. grad_weight='fp8'")  # fmt: skip
+    if cfg.all_gather not in FLOAT8_ALL_GATHERS:
+        raise checks.fail("fsg.Float8(all_gather=...)", f"must be one of {FLOAT8_ALL_GATHERS}", cfg.all_gather,
+                          "E.g. all_gather='fp8'")  # fmt: skip
+    if cfg.all_gather == "fp8" and cfg.recipe != "tensorwise":
+        raise checks.fail("fsg.Float8(all_gather='fp8')", "needs recipe='tensorwise' (a rowwise weight is read in two "
+                          "FP8 copies, scaled by row and by column: as many bytes as one gather in the compute dtype)",
+                          cfg.recipe, "Use recipe='tensorwise', or all_gather='compute'")  # fmt: skip
     return cfg
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fsg
-from tests.dist.workers import gpt_batches, gpt_loss, preset_rules, tiny_gpt
+from tests.dist.workers import _full_leaves, gpt_batches, gpt_loss, preset_rules, tiny_gpt
 from tests.helpers import mlp, mse_loss_fn
 
 ROWWISE = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
@@ -87,3 +87,31 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
         runs.append(({op: text.count(op) for op in ops}, local))
     (_, plain), (counts, rewritten) = runs
     return counts, all(torch.equal(a, b) for a, b in zip(plain, rewritten))
+
+
+def float8_gather_is_the_compute_gather(axes: dict, backend: str) -> tuple[bool, float, list[float], dict, dict]:
+    """Three SGD steps of the tiny GPT under FSDP with tensorwise FP8, its weights gathered in
+    the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses and the final
+    state are bit for bit equal, the largest difference of a loss or state element, the FP8
+    run's losses, and each run's gathered bytes by dtype."""
+    model, runs = tiny_gpt(), []
+    for all_gather in ("compute", "fp8"):
+        precision = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(all_gather=all_gather))
+        step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+                                param_sharding=preset_rules("fsdp"), batch_sharding=fsg.P("dp"),
+                                precision=precision, backend=backend)  # fmt: skip
+        state, losses = step.init(fsg.params(model)), []
+        for batch in gpt_batches(3):
+            state, metrics = step(state, batch)
+            losses.append(metrics["loss"])
+        gathered: dict[str, int] = {}
+        for node in step.lower(state, gpt_batches(1)[0]).graph_module.graph.nodes:
+            if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
+                value = node.meta["val"]
+                gathered[str(value.dtype)] = gathered.get(str(value.dtype), 0) + value.numel() * value.element_size()
+        runs.append((torch.stack(losses), list(_full_leaves(state).values()), gathered))
+    (losses_a, leaves_a, gathered_a), (losses_b, leaves_b, gathered_b) = runs
+    pairs = [(losses_a, losses_b), *zip(leaves_a, leaves_b)]
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    largest = max(float((a.double() - b.double()).abs().max()) for a, b in pairs if a.is_floating_point())
+    return equal, largest, losses_b.tolist(), gathered_a, gathered_b

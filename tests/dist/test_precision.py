@@ -1,5 +1,7 @@
 """Precision policies on a mesh: FP8 where the sharded step equals the unsharded one, refused elsewhere."""
 
+import math
+
 import pytest
 
 from tests.dist import precision_workers
@@ -59,3 +61,20 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
     bit (run op by op)."""
     for counts, same in ranks(2).run(precision_workers.local_rewrite_keeps_the_step, axes, preset, "batch_casts"):
         assert counts["fsg.cast_flat.default("] == 1 and same
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(ranks, backend):
+    """``Float8(all_gather="fp8")``: each shard cast with the global amax (one all-reduce of the
+    shards' maxima) and gathered as bytes is the cast of the gathered bf16 weight, so three
+    SGD steps end bit for bit where the compute-dtype gathers end (the same ops on the same
+    values, run one by one); under Inductor, whose fusions round differently in the two graphs
+    (each differs from the eager step by ~1e-5 in the first loss, measured on CPU), within
+    1e-3. The FP8-read weights' gathered bytes are halved."""
+    runs = ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, backend)
+    for equal, largest, losses, compute, fp8 in runs:
+        assert equal if backend == "eager" else largest < 1e-3, (largest, losses)
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+        assert "torch.uint8" not in compute and fp8["torch.uint8"] > 0
+        # the four FP8-read weights (qkv, proj, fc, fc_proj) move one byte an element, not two
+        assert compute["torch.bfloat16"] - fp8.get("torch.bfloat16", 0) == 2 * fp8["torch.uint8"]

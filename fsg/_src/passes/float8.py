@@ -179,6 +179,25 @@ def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
     return None
 
 
+def _gathered_weights(graph: fx.Graph, fp8: set[fx.Node]) -> list[fx.Node]:
+    """The FSDP gathers (their waits, in graph order) of 16-bit weights that only the matmuls
+    in ``fp8`` read, through transposes and aliases: ``Float8(all_gather="fp8")`` gathers these in FP8."""
+
+    def readers(node: fx.Node) -> list[fx.Node]:
+        return [r for u in node.users for r in (readers(u) if peel(u)[0] is not u else [u])]
+
+    out = []
+    for node in graph.nodes:
+        collective = node.args[0] if node.target is _torch_private.WAIT_TENSOR else None
+        if not isinstance(collective, fx.Node) or collective.target is not _torch_private.ALL_GATHER:
+            continue
+        shard = collective.args[0].meta.get("val") if isinstance(collective.args[0], fx.Node) else None
+        reads = readers(node)
+        if shard is not None and shard.dtype in (torch.bfloat16, torch.float16) and reads and set(reads) <= fp8:
+            out.append(node)
+    return out
+
+
 def _stay(n: int) -> str:
     return "1 matmul stays" if n == 1 else f"{n} matmuls stay"
 
@@ -264,10 +283,17 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         todo.append((node, grads, fast))
     reads_flipped = flipped([node for node, _, _ in todo]) if rowwise else set()
     quantizer = Quantizer(graph, rowwise, at.amax_groups, batch, reads_flipped)
+    gathered = _gathered_weights(graph, {node for node, _, _ in todo}) if at.config.all_gather == "fp8" else []
+    quantizer.gather_in_fp8(gathered)
     for node, grads, fast in todo:
         quantizer.matmul(node, grads, fast)
     for (why, dtype), which in kept.items():  # one line a reason: a 1.3B GPT keeps 96 grad-weights for one
         log.info("fsg: float8: %s in %s: %s: %s", _stay(len(which)), dtype, why, _listing(which))
     graph.eliminate_dead_code()
+    for wait in gathered:  # the compute-dtype gathers, now unread (FX keeps a wait as impure)
+        collective = wait.args[0]
+        graph.erase_node(wait)
+        graph.erase_node(collective)
     gm.recompile()
-    return f"{len(todo)} of {len(matmuls)} matmuls in FP8"
+    summary = f"{len(todo)} of {len(matmuls)} matmuls in FP8"
+    return summary + (f", {len(gathered)} weights gathered in FP8" if gathered else "")

@@ -4,6 +4,13 @@
 ``_scaled_mm`` that replaces it: tensorwise (one scale per tensor, its other layout a
 transposed copy of the one cast) or rowwise (a scale per row along the contracted dim). Each
 tensor's scale and casts are built once and reused by every matmul that reads it.
+
+FSDP's gathered weights under ``Float8(all_gather="fp8")`` (tensorwise): ``gather_in_fp8`` casts
+each rank's shard instead of the gathered weight. The shards' amaxes go into one vector that one
+all-reduce (max) over the gathers' group makes global; each shard is cast with its weight's
+global scale and gathered as bytes, all at the step's start, and each gather is waited for
+right before its first matmul. The cast is elementwise and the global amax is the gathered
+weight's, so the gathered FP8 weight is bit for bit the cast of the bf16 one, in half the bytes.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class Quantizer:
         # rowwise: the tensors (``float8_fuse.rows_base``) some matmul reads transposed, and the
         # column maxima of |t| a fused op computed for one of them (the transposed cast's scales)
         self.flipped, self.column_amax = flipped, {}
+        self.gathers: dict[fx.Node, fx.Node] = {}  # an FSDP gather's wait -> its FP8 gather (gather_in_fp8)
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs or {})
@@ -126,11 +134,36 @@ class Quantizer:
         if (t, flip, dtype) not in self.casts:
             if (other := self.casts.get((t, not flip, dtype))) is not None:
                 cast = self.call(aten.clone.default, (self.call(aten.t.default, (other,)),), _DENSE)
+            elif t in self.gathers:  # (its scale came with it: E4M3) waited for here, before its first matmul
+                gathered = self.call(_torch_private.WAIT_TENSOR, (self.gathers[t],))
+                self.casts[(t, False, dtype)] = self.call(aten.view.dtype, (gathered, dtype))
+                return self.operand(t, transposed, dtype, second)
             else:
                 cast = self.cast(self.call(aten.t.default, (t,)) if flip else t, scale, dtype)
             self.casts[(t, flip, dtype)] = cast
         cast = self.casts[(t, flip, dtype)]
         return (self.call(aten.t.default, (cast,)) if second else cast), inv
+
+    def gather_in_fp8(self, waits: list[fx.Node]) -> None:
+        """Each weight in ``waits`` (an FSDP gather's wait, read by FP8 matmuls only, as
+        ``E4M3``) gets its scale and its FP8 gather (module docstring), inserted after the last
+        of the shards: per process group, the shards' amaxes in one all-reduce (max)."""
+        position = {n: i for i, n in enumerate(self.graph.nodes)}
+        by_group: dict[tuple, list[fx.Node]] = {}
+        for wait in waits:
+            by_group.setdefault(tuple(wait.args[0].args[1:]), []).append(wait)
+        for (_, group), group_waits in by_group.items():
+            shards = [wait.args[0].args[0] for wait in group_waits]
+            with self.graph.inserting_before(max(shards, key=position.__getitem__).next):
+                amaxes = [self.call(aten.max.default, (self.call(aten.abs.default, (s,)),)) for s in shards]
+                amaxes = [self.call(aten._to_copy.default, (a,), {"dtype": torch.float32}) for a in amaxes]
+                reduced = self.call(_torch_private.ALL_REDUCE, (self.call(aten.stack.default, (amaxes,)), "max", group))
+                amax = self.call(_torch_private.WAIT_TENSOR, (reduced,))
+                for i, (wait, shard) in enumerate(zip(group_waits, shards)):
+                    scale = self.scale_of(self.call(aten.select.int, (amax, 0, i)), E4M3)
+                    self.scales[(wait, E4M3)] = (scale, self.call(aten.reciprocal.default, (scale,)))
+                    as_bytes = self.call(aten.view.dtype, (self.cast(shard, scale, E4M3), torch.uint8))
+                    self.gathers[wait] = self.call(wait.args[0].target, (as_bytes, *wait.args[0].args[1:]))
 
     def rowwise_operand(self, t: fx.Node, flip: bool, dtype: torch.dtype, second: bool) -> tuple[fx.Node, fx.Node]:
         """The rowwise FP8 operand: ``R`` (``t`` or its transpose, row-major, each row one dot

@@ -87,7 +87,8 @@ def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCK
     most ``bucket_mb`` gathered, in the order the step first uses them; bucket 0 is issued at
     the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
     FSDP2 does). Gathers whose input is not a cast or view of a graph input (an uneven shard's
-    padding) are left as they are. Returns the number of packed collectives."""
+    padding, or an FP8-cast shard of ``Float8(all_gather="fp8")``, issued at the step's start
+    by the float8 pass) are left as they are. Returns the number of packed collectives."""
     order = NodeOrder(gm.graph)
     items = _gathers(gm.graph, order)
     buckets = bucketing.buckets(items, bucket_mb * 2**20, key=lambda g: g.key, nbytes=lambda g: g.nbytes)
