@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fsg
-from tests.dist.workers import _full_leaves, gpt_batches, gpt_loss, preset_rules, tiny_gpt
+from tests.dist.workers import GPT, GPTConfig, _full_leaves, gpt_batches, gpt_loss, preset_rules, tiny_gpt
 from tests.helpers import mlp, mse_loss_fn
 
 ROWWISE = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
@@ -93,8 +93,10 @@ def float8_gather_is_the_compute_gather(axes: dict, backend: str) -> tuple[bool,
     """Three SGD steps of the tiny GPT under FSDP with tensorwise FP8, its weights gathered in
     the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses and the final
     state are bit for bit equal, the largest difference of a loss or state element, the FP8
-    run's losses, and each run's gathered bytes by dtype."""
-    model, runs = tiny_gpt(), []
+    run's losses, and each run's gathered bytes by dtype. The GPT has biases: FSDP gathers them
+    too, and a bias an FP8 matmul adds is not one of its operands (it stays in bf16)."""
+    torch.manual_seed(0)
+    model, runs = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True)), []
     for all_gather in ("compute", "fp8"):
         precision = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(all_gather=all_gather))
         step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),

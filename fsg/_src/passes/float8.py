@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
+from fsg._src.passes import moves
 from fsg._src.passes.float8_quantize import Quantizer, flipped, operands, peel
 from fsg._src.precision import Float8
 
@@ -181,21 +182,18 @@ def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
 
 def _gathered_weights(graph: fx.Graph, fp8: set[fx.Node]) -> list[fx.Node]:
     """The FSDP gathers (their waits, in graph order) of 16-bit weights that only the matmuls
-    in ``fp8`` read, through transposes and aliases: ``Float8(all_gather="fp8")`` gathers these in FP8."""
+    in ``fp8`` read, as an operand (not a bias), through transposes and aliases:
+    ``Float8(all_gather="fp8")`` gathers these in FP8."""
 
     def readers(node: fx.Node) -> list[fx.Node]:
         return [r for u in node.users for r in (readers(u) if peel(u)[0] is not u else [u])]
 
-    out = []
-    for node in graph.nodes:
-        collective = node.args[0] if node.target is _torch_private.WAIT_TENSOR else None
-        if not isinstance(collective, fx.Node) or collective.target is not _torch_private.ALL_GATHER:
-            continue
-        shard = collective.args[0].meta.get("val") if isinstance(collective.args[0], fx.Node) else None
-        reads = readers(node)
-        if shard is not None and shard.dtype in (torch.bfloat16, torch.float16) and reads and set(reads) <= fp8:
-            out.append(node)
-    return out
+    operand_of = {(peel(o)[0], mm) for mm in fp8 for o in operands(mm)[:2]}  # (a weight, its matmul)
+    biases = {peel(operands(mm)[2])[0] for mm in fp8 if operands(mm)[2] is not None}
+    waits = [n for n in graph.nodes if n.target is _torch_private.WAIT_TENSOR and n not in biases]
+    gathers = [w for w in waits if isinstance(w.args[0], fx.Node) and w.args[0].target is _torch_private.ALL_GATHER]
+    return [w for w in gathers if (reads := readers(w)) and all((w, r) in operand_of for r in reads)
+            and getattr(moves.meta_value(w.args[0].args[0]), "dtype", None) in (torch.bfloat16, torch.float16)]  # fmt: skip
 
 
 def _stay(n: int) -> str:
