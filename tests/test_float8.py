@@ -747,6 +747,17 @@ def test_gpt_fp8_step_tracks_the_bf16_step_and_learns():
     assert all(math.isfinite(v) for v in fp8_losses) and fp8_losses[-1] < 0.6 * fp8_losses[0]
 
 
+def test_fp8_gathers_change_nothing_where_no_weight_is_gathered():
+    """One device: ``all_gather="fp8"`` has no FSDP gather to rewrite, so the step is the
+    default's, graph and bits (the mesh case: tests/dist/test_precision.py)."""
+    batches = _gpt_batches(3)
+    (step_a, state_a), (step_b, state_b) = (
+        _gpt_step(fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(all_gather=g))) for g in ("compute", "fp8")
+    )
+    assert step_a.lower(state_a, batches[0]).as_text() == step_b.lower(state_b, batches[0]).as_text()
+    assert _train(step_a, state_a, batches) == _train(step_b, state_b, batches)
+
+
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 16))
