@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import logging
+
 import torch
 
 import fsg
@@ -89,31 +92,58 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
     return counts, all(torch.equal(a, b) for a, b in zip(plain, rewritten))
 
 
-def float8_gather_is_the_compute_gather(axes: dict, backend: str) -> tuple[bool, float, list[float], dict, dict]:
-    """Three SGD steps of the tiny GPT under FSDP with tensorwise FP8, its weights gathered in
-    the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses and the final
-    state are bit for bit equal, the largest difference of a loss or state element, the FP8
-    run's losses, and each run's gathered bytes by dtype. The GPT has biases: FSDP gathers them
-    too, and a bias an FP8 matmul adds is not one of its operands (it stays in bf16)."""
+def _gather_case(case: str):
+    """``(model, loss_fn, batches)``: ``"gpt"``, the tiny GPT with biases (FSDP gathers them too;
+    a bias an FP8 matmul adds is not its operand and stays bf16); ``"mlp"``, three linear
+    layers whose loss also reads the first weight (a penalty on it), so only the middle
+    weight is read by FP8 matmuls alone (the last is the output head)."""
     torch.manual_seed(0)
-    model, runs = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True)), []
+    if case == "gpt":
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True))
+        return model, gpt_loss(model), gpt_batches(3)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16))  # fmt: skip
+
+    def loss_fn(params, batch):
+        out = fsg.apply(model, params, batch["x"])
+        return ((out.float() - batch["y"]) ** 2).mean() + 1e-3 * params["0.weight"].float().square().sum()
+
+    g = torch.Generator().manual_seed(1)
+    return model, loss_fn, [{"x": torch.randn(32, 32, generator=g), "y": torch.randn(32, 16, generator=g)} for _ in range(3)]
+
+
+def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> tuple[bool, float, list, dict, dict, str]:
+    """Three SGD steps of ``_gather_case(case)`` under FSDP with tensorwise FP8, its weights
+    gathered in the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses
+    and the final state are bit for bit equal, the largest difference of a loss or state
+    element, the FP8 run's losses, each run's gathered bytes by dtype, and what the ``fsg``
+    logger said about weight gathers."""
+    model, loss_fn, batches = _gather_case(case)
+    runs, said = [], io.StringIO()
+    logger, handler = logging.getLogger("fsg"), logging.StreamHandler(said)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     for all_gather in ("compute", "fp8"):
         precision = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(all_gather=all_gather))
-        step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+        step = fsg.compile_step(loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
                                 param_sharding=preset_rules("fsdp"), batch_sharding=fsg.P("dp"),
                                 precision=precision, backend=backend)  # fmt: skip
         state, losses = step.init(fsg.params(model)), []
-        for batch in gpt_batches(3):
+        for batch in batches:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
         gathered: dict[str, int] = {}
-        for node in step.lower(state, gpt_batches(1)[0]).graph_module.graph.nodes:
+        for node in step.lower(state, batches[0]).graph_module.graph.nodes:
             if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
                 value = node.meta["val"]
                 gathered[str(value.dtype)] = gathered.get(str(value.dtype), 0) + value.numel() * value.element_size()
         runs.append((torch.stack(losses), list(_full_leaves(state).values()), gathered))
+    logger.removeHandler(handler)
+    logger.setLevel(level)
     (losses_a, leaves_a, gathered_a), (losses_b, leaves_b, gathered_b) = runs
     pairs = [(losses_a, losses_b), *zip(leaves_a, leaves_b)]
     equal = all(torch.equal(a, b) for a, b in pairs)
     largest = max(float((a.double() - b.double()).abs().max()) for a, b in pairs if a.is_floating_point())
-    return equal, largest, losses_b.tolist(), gathered_a, gathered_b
+    lines = [line for line in said.getvalue().splitlines() if "gather" in line]
+    return equal, largest, losses_b.tolist(), gathered_a, gathered_b, "\n".join(lines)

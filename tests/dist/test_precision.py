@@ -63,19 +63,24 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
         assert counts["fsg.cast_flat.default("] == 1 and same
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(ranks, backend):
+@pytest.mark.parametrize(("case", "backend"), [("gpt", "eager"), ("gpt", "inductor"), ("mlp", "eager")])
+def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(ranks, case, backend):
     """``Float8(all_gather="fp8")``: each shard cast with the global amax (one all-reduce of the
     shards' maxima) and gathered as bytes is the cast of the gathered bf16 weight, so three
     SGD steps end bit for bit where the compute-dtype gathers end (the same ops on the same
     values, run one by one); under Inductor, whose fusions round differently in the two graphs
     (each differs from the eager step by ~1e-5 in the first loss, measured on CPU), within
-    1e-3. The FP8-read weights' gathered bytes are halved."""
-    runs = ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, backend)
-    for equal, largest, losses, compute, fp8 in runs:
+    1e-3. Only weights that FP8 matmuls alone read move one byte an element: the GPT's four
+    (qkv, proj, fc, fc_proj), not their biases or the embeddings; the MLP's middle one, not
+    the first (its penalty reads it in bf16) or the head."""
+    runs = ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, backend, case)
+    for equal, largest, losses, compute, fp8, said in runs:
         assert equal if backend == "eager" else largest < 1e-3, (largest, losses)
         assert all(math.isfinite(x) for x in losses)
-        assert "torch.uint8" not in compute and fp8["torch.uint8"] > 0
-        # the four FP8-read weights (qkv, proj, fc, fc_proj) move one byte an element, not two;
-        # their biases and the embeddings stay bf16
+        assert "torch.uint8" not in compute
+        assert fp8["torch.uint8"] == {"gpt": 48 * 16 + 16 * 16 + 64 * 16 + 16 * 64, "mlp": 64 * 64}[case]
         assert compute["torch.bfloat16"] - fp8.get("torch.bfloat16", 0) == 2 * fp8["torch.uint8"]
+        want = {"gpt": "4 weights gathered in FP8", "mlp": "1 weight gathered in FP8"}[case]
+        assert want in said, said
+        if case == "mlp":  # the penalty's read is named, with the weight
+            assert "1 weight gather stays in the compute dtype" in said and "reads it too" in said and "0.weight" in said

@@ -30,8 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
-from fsg._src.passes import moves
-from fsg._src.passes.float8_quantize import Quantizer, flipped, operands, peel
+from fsg._src.passes.float8_quantize import Quantizer, flipped, fsdp_gathers, operands, peel
 from fsg._src.precision import Float8
 
 log = logging.getLogger("fsg")
@@ -180,24 +179,8 @@ def _why_not_op(node: fx.Node, rowwise: bool = False) -> str | None:
     return None
 
 
-def _gathered_weights(graph: fx.Graph, fp8: set[fx.Node]) -> list[fx.Node]:
-    """The FSDP gathers (their waits, in graph order) of 16-bit weights that only the matmuls
-    in ``fp8`` read, as an operand (not a bias), through transposes and aliases:
-    ``Float8(all_gather="fp8")`` gathers these in FP8."""
-
-    def readers(node: fx.Node) -> list[fx.Node]:
-        return [r for u in node.users for r in (readers(u) if peel(u)[0] is not u else [u])]
-
-    operand_of = {(peel(o)[0], mm) for mm in fp8 for o in operands(mm)[:2]}  # (a weight, its matmul)
-    biases = {peel(operands(mm)[2])[0] for mm in fp8 if operands(mm)[2] is not None}
-    waits = [n for n in graph.nodes if n.target is _torch_private.WAIT_TENSOR and n not in biases]
-    gathers = [w for w in waits if isinstance(w.args[0], fx.Node) and w.args[0].target is _torch_private.ALL_GATHER]
-    return [w for w in gathers if (reads := readers(w)) and all((w, r) in operand_of for r in reads)
-            and getattr(moves.meta_value(w.args[0].args[0]), "dtype", None) in (torch.bfloat16, torch.float16)]  # fmt: skip
-
-
-def _stay(n: int) -> str:
-    return "1 matmul stays" if n == 1 else f"{n} matmuls stay"
+def _stay(n: int, what: str = "matmul") -> str:
+    return f"1 {what} stays" if n == 1 else f"{n} {what}s stay"
 
 
 def _listing(which: list[str], shown: int = 3) -> str:
@@ -281,7 +264,10 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         todo.append((node, grads, fast))
     reads_flipped = flipped([node for node, _, _ in todo]) if rowwise else set()
     quantizer = Quantizer(graph, rowwise, at.amax_groups, batch, reads_flipped)
-    gathered = _gathered_weights(graph, {node for node, _, _ in todo}) if at.config.all_gather == "fp8" else []
+    gathered, stay = fsdp_gathers(graph, {n for n, _, _ in todo}, lambda w: _param_of(w, names)) if (
+        at.config.all_gather == "fp8") else ([], {})  # fmt: skip
+    for why, which in stay.items():
+        log.info("fsg: float8: %s in the compute dtype: %s: %s", _stay(len(which), "weight gather"), why, _listing(which))
     quantizer.gather_in_fp8(gathered)
     for node, grads, fast in todo:
         quantizer.matmul(node, grads, fast)
@@ -294,4 +280,4 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         graph.erase_node(collective)
     gm.recompile()
     summary = f"{len(todo)} of {len(matmuls)} matmuls in FP8"
-    return summary + (f", {len(gathered)} weights gathered in FP8" if gathered else "")
+    return summary + (f", {len(gathered)} weight{'s' * (len(gathered) > 1)} gathered in FP8" if gathered else "")

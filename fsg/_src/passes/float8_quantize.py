@@ -68,6 +68,52 @@ def flipped(matmuls: list[fx.Node]) -> set[fx.Node]:
     return out
 
 
+def _gather_wait(node: fx.Node, depth: int = 4) -> fx.Node | None:
+    """The wait of the all-gather ``node`` is (or is a view or slice of, up to ``depth`` ops up)."""
+    for _ in range(depth + 1):
+        if node.op != "call_function":
+            return None
+        if node.target is _torch_private.WAIT_TENSOR:
+            collective = node.args[0]
+            return node if isinstance(collective, fx.Node) and collective.target is _torch_private.ALL_GATHER else None
+        if len(node.all_input_nodes) != 1:
+            return None
+        node = node.all_input_nodes[0]
+    return None
+
+
+def fsdp_gathers(graph: fx.Graph, fp8: set[fx.Node], name_of: Any) -> tuple[list[fx.Node], dict[str, list[str]]]:
+    """FSDP's weight gathers (their waits, in graph order) that ``Float8(all_gather="fp8")``
+    gathers in FP8: those of 16-bit weights only the matmuls in ``fp8`` read, as an operand,
+    through transposes and aliases; and, for the others an FP8 matmul reads, why each stays
+    (``{why: [weight names]}``)."""
+
+    def readers(node: fx.Node) -> list[fx.Node]:
+        return [r for u in node.users for r in (readers(u) if peel(u)[0] is not u else [u])]
+
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    eligible, seen, stay = [], set(), {}
+    for matmul in sorted(fp8, key=position.__getitem__):
+        for operand in operands(matmul)[:2]:
+            base = peel(operand)[0]
+            if (wait := _gather_wait(base)) is None or wait in seen:
+                continue
+            seen.add(wait)
+            dtype = getattr(wait.meta.get("val"), "dtype", None)
+            others = [r for r in readers(wait) if r not in fp8 or all(peel(o)[0] is not wait for o in operands(r)[:2])]
+            if wait is not base:
+                why = "gathered, then sliced or reshaped (an uneven shard's padding, or a dim other than 0)"
+            elif dtype not in (torch.bfloat16, torch.float16):
+                why = f"gathered in {dtype}, not a 16-bit compute dtype"
+            elif others:
+                why = f"{others[0].target} reads it too, in the compute dtype"
+            else:
+                eligible.append(wait)
+                continue
+            stay.setdefault(why, []).append(name_of(wait) or wait.name)
+    return sorted(eligible, key=position.__getitem__), stay
+
+
 class Quantizer:
     """Builds the scale and the FP8 casts of each tensor once, before its first reader."""
 
