@@ -137,6 +137,33 @@ def test_parameter_gathers_pack_in_use_order_and_a_shared_cast_stays_before_its_
     assert nodes.index(matmuls[1]) < nodes.index(waits[1]) < nodes.index(matmuls[2])
 
 
+def test_gathers_of_two_dtypes_in_turn_fill_a_bucket_each():
+    """FP8 weight gathers (bytes) alternate with their layers' bf16 biases in use order: each
+    dtype packs into one collective, not one per weight (a bucket is cut by its own dtype's
+    run, not by the other's items), and the bytes' input, a scaled cast computed from the
+    graph inputs and an all-reduce, moves up with its bucket."""
+    graph = fx.Graph()
+    weights = [_placeholder(graph, f"w{i}", (4, 8)) for i in range(3)]
+    biases = [_placeholder(graph, f"b{i}", (4,)) for i in range(3)]
+    amax = graph.call_function(AR, (graph.call_function(torch.ops.aten.stack.default, (weights,)), "max", "group0"))
+    amax = graph.call_function(WAIT, (amax,))
+    gathered = []
+    for w, b in zip(weights, biases):
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (_cast(graph, w), amax))
+        as_bytes = graph.call_function(torch.ops.aten.view.dtype, (scaled, torch.uint8))
+        as_bytes.meta["val"] = torch.empty(4, 16, dtype=torch.uint8, device="meta")
+        gathered.append((_gather(graph, as_bytes), _gather(graph, _cast(graph, b))))
+    h = _placeholder(graph, "x", (8, 8))
+    for gw, gb in gathered:
+        h = graph.call_function(torch.ops.aten.add.Tensor, (_mm(graph, h, gw), gb))
+    graph.output((h,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    assert prefetch.bucket_parameter_gathers(gm) == 2
+    gm.graph.lint()
+    dtypes = sorted(str(n.args[0].meta["val"].dtype) for n in gm.graph.nodes if n.target is GATHER)
+    assert dtypes == ["torch.bfloat16", "torch.uint8"]
+
+
 def test_a_gather_of_a_computed_tensor_is_left_alone():
     graph = fx.Graph()
     x = _placeholder(graph, "x", (4, 8))

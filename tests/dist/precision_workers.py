@@ -112,12 +112,13 @@ def _gather_case(case: str):
     return model, loss_fn, [{"x": torch.randn(32, 32, generator=g), "y": torch.randn(32, 16, generator=g)} for _ in range(3)]
 
 
-def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> tuple[bool, float, list, dict, dict, str]:
+def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> dict:
     """Three SGD steps of ``_gather_case(case)`` under FSDP with tensorwise FP8, its weights
     gathered in the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses
-    and the final state are bit for bit equal, the largest difference of a loss or state
-    element, the FP8 run's losses, each run's gathered bytes by dtype, and what the ``fsg``
-    logger said about weight gathers."""
+    and the final state are bit for bit equal (``equal``), the largest difference of a loss or
+    state element, the FP8 run's losses, each run's gathered bytes and gathers by dtype
+    (``compute``, ``fp8``: ``{dtype: [bytes, collectives]}``), and what the ``fsg`` logger said
+    about weight gathers (``said``)."""
     model, loss_fn, batches = _gather_case(case)
     runs, said = [], io.StringIO()
     logger, handler = logging.getLogger("fsg"), logging.StreamHandler(said)
@@ -133,11 +134,11 @@ def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> 
         for batch in batches:
             state, metrics = step(state, batch)
             losses.append(metrics["loss"])
-        gathered: dict[str, int] = {}
+        gathered: dict[str, list[int]] = {}
         for node in step.lower(state, batches[0]).graph_module.graph.nodes:
             if node.target is torch.ops._c10d_functional.all_gather_into_tensor.default:
-                value = node.meta["val"]
-                gathered[str(value.dtype)] = gathered.get(str(value.dtype), 0) + value.numel() * value.element_size()
+                value, row = node.meta["val"], gathered.setdefault(str(node.meta["val"].dtype), [0, 0])
+                row[0], row[1] = row[0] + value.numel() * value.element_size(), row[1] + 1
         runs.append((torch.stack(losses), list(_full_leaves(state).values()), gathered))
     logger.removeHandler(handler)
     logger.setLevel(level)
@@ -146,4 +147,5 @@ def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> 
     equal = all(torch.equal(a, b) for a, b in pairs)
     largest = max(float((a.double() - b.double()).abs().max()) for a, b in pairs if a.is_floating_point())
     lines = [line for line in said.getvalue().splitlines() if "gather" in line]
-    return equal, largest, losses_b.tolist(), gathered_a, gathered_b, "\n".join(lines)
+    return {"equal": equal, "largest": largest, "losses": losses_b.tolist(), "compute": gathered_a,
+            "fp8": gathered_b, "said": "\n".join(lines)}  # fmt: skip

@@ -74,13 +74,16 @@ def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(rank
     (qkv, proj, fc, fc_proj), not their biases or the embeddings; the MLP's middle one, not
     the first (its penalty reads it in bf16) or the head."""
     runs = ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, backend, case)
-    for equal, largest, losses, compute, fp8, said in runs:
-        assert equal if backend == "eager" else largest < 1e-3, (largest, losses)
-        assert all(math.isfinite(x) for x in losses)
+    for run in runs:
+        assert run["equal"] if backend == "eager" else run["largest"] < 1e-3, run
+        assert all(math.isfinite(x) for x in run["losses"])
+        compute, fp8 = run["compute"], run["fp8"]
         assert "torch.uint8" not in compute
-        assert fp8["torch.uint8"] == {"gpt": 48 * 16 + 16 * 16 + 64 * 16 + 16 * 64, "mlp": 64 * 64}[case]
-        assert compute["torch.bfloat16"] - fp8.get("torch.bfloat16", 0) == 2 * fp8["torch.uint8"]
+        assert fp8["torch.uint8"][0] == {"gpt": 48 * 16 + 16 * 16 + 64 * 16 + 16 * 64, "mlp": 64 * 64}[case]
+        assert compute["torch.bfloat16"][0] - fp8.get("torch.bfloat16", [0])[0] == 2 * fp8["torch.uint8"][0]
+        assert fp8["torch.uint8"][1] == 1  # packed into FSDP's prefetch buckets (one bucket at these sizes)
         want = {"gpt": "4 weights gathered in FP8", "mlp": "1 weight gathered in FP8"}[case]
-        assert want in said, said
+        assert want in run["said"], run["said"]
         if case == "mlp":  # the penalty's read is named, with the weight
+            said = run["said"]
             assert "1 weight gather stays in the compute dtype" in said and "reads it too" in said and "0.weight" in said

@@ -8,7 +8,8 @@ tensor's scale and casts are built once and reused by every matmul that reads it
 FSDP's gathered weights under ``Float8(all_gather="fp8")`` (tensorwise): ``gather_in_fp8`` casts
 each rank's shard instead of the gathered weight. The shards' amaxes go into one vector that one
 all-reduce (max) over the gathers' group makes global; each shard is cast with its weight's
-global scale and gathered as bytes, all at the step's start, and each gather is waited for
+global scale and gathered as bytes (at the step's start, where stage 2 put the gathers;
+``prefetch.py`` then packs these gathers into FSDP's buckets), and each gather is waited for
 right before its first matmul. The cast is elementwise and the global amax is the gathered
 weight's, so the gathered FP8 weight is bit for bit the cast of the bf16 one, in half the bytes.
 """

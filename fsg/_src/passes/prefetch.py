@@ -4,7 +4,7 @@ Stage 2 gathers each parameter over the data axes where the loss reads it (rule 
 precision the loss casts every parameter first, so each gather, with its wait right after it,
 sits at the step's start: one collective per parameter, one after the other, before the first
 matmul. ``bucket_parameter_gathers`` orders the gathers by their first use in the step, packs
-consecutive ones of one dtype and process group into buckets of at most ``bucket_mb``
+those of one dtype and process group, in that order, into buckets of at most ``bucket_mb``
 gathered (each rank's shards concatenated; the ``[W, sum of shards]`` result split by columns),
 issues bucket 0 at the step's start and bucket k+1 right before bucket k's wait (one bucket of
 prefetch, as FSDP2 does), and waits for each bucket right before its first use. A gathered
@@ -15,12 +15,15 @@ Buckets are cut by ``bucketing.buckets`` and packed by ``packing.pack`` (shared 
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.passes import bucketing, moves, packing
 from fsg._src.passes.bucketing import DEFAULT_BUCKET_MB
 from fsg._src.passes.ordering import NodeOrder
+
+_aten = torch.ops.aten
 
 
 def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
@@ -32,6 +35,26 @@ def _placeholder_chain(node: fx.Node) -> list[fx.Node] | None:
         chain.append(node)
         node = node.args[0]
     return list(reversed(chain)) if node.op == "placeholder" and chain else None
+
+
+def _inputs(node: fx.Node, order: NodeOrder) -> list[fx.Node] | None:
+    """What an all-gather's input is computed from, in graph order (``node`` last): a chain of
+    views and casts from a graph input (a shard cast to the compute dtype), or, for a shard cast
+    to FP8 and viewed as bytes (``Float8(all_gather="fp8")``), every op it is computed from,
+    all from graph inputs (the shards' amaxes and their all-reduce among them); ``None`` for
+    anything else (an uneven shard's padding)."""
+    chain = _placeholder_chain(node)
+    if chain is not None or node.target is not _aten.view.dtype:
+        return chain
+    seen, stack = {node}, [node]
+    while stack:
+        for n in stack.pop().all_input_nodes:
+            if n.op == "call_function" and n.all_input_nodes and n not in seen:
+                seen.add(n)
+                stack.append(n)
+            elif n.op != "placeholder" and n not in seen:
+                return None  # (an op of no inputs, a constant: not a shard's cast)
+    return sorted(seen, key=order.position)
 
 
 class _Gather:
@@ -56,7 +79,7 @@ def _gathers(graph: fx.Graph, order: NodeOrder) -> list[_Gather]:
         if node.op != "call_function" or node.target is not _torch_private.ALL_GATHER:
             continue
         wait = packing.sole_wait(node)
-        chain = _placeholder_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        chain = _inputs(node.args[0], order) if isinstance(node.args[0], fx.Node) else None
         if wait is None or not wait.users:
             continue
         if chain is None or moves.meta_value(node.args[0]) is None or moves.meta_value(wait) is None:
@@ -86,12 +109,18 @@ def bucket_parameter_gathers(gm: fx.GraphModule, bucket_mb: float = DEFAULT_BUCK
     """Packs the parameter all-gathers of ``gm`` (FSDP's, stage 2 rule 3) into buckets of at
     most ``bucket_mb`` gathered, in the order the step first uses them; bucket 0 is issued at
     the step's start and bucket k+1 right before bucket k's wait (one bucket of prefetch, as
-    FSDP2 does). Gathers whose input is not a cast or view of a graph input (an uneven shard's
-    padding, or an FP8-cast shard of ``Float8(all_gather="fp8")``, issued at the step's start
-    by the float8 pass) are left as they are. Returns the number of packed collectives."""
+    FSDP2 does). Gathers of different dtypes (``Float8(all_gather="fp8")``'s bytes beside the
+    compute dtype's biases and norms) fill buckets of their own, each run in first-use order,
+    so one kind between two of another does not cut their bucket. Gathers whose input is not
+    computed from graph inputs so (``_inputs``: an uneven shard's padding) are left as they
+    are. Returns the number of packed collectives."""
     order = NodeOrder(gm.graph)
-    items = _gathers(gm.graph, order)
-    buckets = bucketing.buckets(items, bucket_mb * 2**20, key=lambda g: g.key, nbytes=lambda g: g.nbytes)
+    by_key: dict[tuple, list[_Gather]] = {}
+    for gather in _gathers(gm.graph, order):  # (in first-use order)
+        by_key.setdefault(gather.key, []).append(gather)
+    budget = bucket_mb * 2**20
+    buckets = [b for run in by_key.values() for b in bucketing.buckets(run, budget, key=lambda g: g.key, nbytes=lambda g: g.nbytes)]
+    buckets.sort(key=lambda b: order.position(b[0].first_use))
     after = moves.last_placeholder(gm.graph)
     for bucket in buckets:
         after = _rewrite_gathers(gm.graph, bucket, after, order)
