@@ -112,13 +112,14 @@ def _gather_case(case: str):
     return model, loss_fn, [{"x": torch.randn(32, 32, generator=g), "y": torch.randn(32, 16, generator=g)} for _ in range(3)]
 
 
-def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> dict:
+def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str, fsdp_axis: str = "dp") -> dict:
     """Three SGD steps of ``_gather_case(case)`` under FSDP with tensorwise FP8, its weights
     gathered in the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses
     and the final state are bit for bit equal (``equal``), the largest difference of a loss or
     state element, the FP8 run's losses, each run's gathered bytes and gathers by dtype
     (``compute``, ``fp8``: ``{dtype: [bytes, collectives]}``), and what the ``fsg`` logger said
-    about weight gathers (``said``)."""
+    about weight gathers (``said``). The parameters are sharded over ``fsdp_axis``, the batch
+    over every axis (HSDP where ``axes`` has another)."""
     model, loss_fn, batches = _gather_case(case)
     runs, said = [], io.StringIO()
     logger, handler = logging.getLogger("fsg"), logging.StreamHandler(said)
@@ -128,7 +129,7 @@ def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str) -> 
     for all_gather in ("compute", "fp8"):
         precision = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(all_gather=all_gather))
         step = fsg.compile_step(loss_fn, fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
-                                param_sharding=preset_rules("fsdp"), batch_sharding=fsg.P("dp"),
+                                param_sharding=fsg.sharding.fsdp(fsdp_axis), batch_sharding=fsg.P(tuple(axes)),
                                 precision=precision, backend=backend)  # fmt: skip
         state, losses = step.init(fsg.params(model)), []
         for batch in batches:

@@ -63,8 +63,16 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
         assert counts["fsg.cast_flat.default("] == 1 and same
 
 
-@pytest.mark.parametrize(("case", "backend"), [("gpt", "eager"), ("gpt", "inductor"), ("mlp", "eager")])
-def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(ranks, case, backend):
+@pytest.mark.parametrize(
+    ("case", "backend", "axes", "fsdp_axis"),
+    [
+        ("gpt", "eager", {"dp": 2}, "dp"),
+        ("gpt", "inductor", {"dp": 2}, "dp"),
+        ("mlp", "eager", {"dp": 2}, "dp"),
+        ("gpt", "eager", {"dp": 2, "fsdp": 2}, "fsdp"),  # HSDP: sharded over fsdp, replicated over dp
+    ],
+)
+def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(ranks, case, backend, axes, fsdp_axis):
     """``Float8(all_gather="fp8")``: each shard cast with the global amax (one all-reduce of the
     shards' maxima) and gathered as bytes is the cast of the gathered bf16 weight, so three
     SGD steps end bit for bit where the compute-dtype gathers end (the same ops on the same
@@ -72,8 +80,10 @@ def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(rank
     (each differs from the eager step by ~1e-5 in the first loss, measured on CPU), within
     1e-3. Only weights that FP8 matmuls alone read move one byte an element: the GPT's four
     (qkv, proj, fc, fc_proj), not their biases or the embeddings; the MLP's middle one, not
-    the first (its penalty reads it in bf16) or the head."""
-    runs = ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, backend, case)
+    the first (its penalty reads it in bf16) or the head. On an HSDP mesh the amaxes are
+    all-reduced over the FSDP axis, the gathers' group (the replicas hold the same shards)."""
+    world = 2 if len(axes) == 1 else 4
+    runs = ranks(world).run(precision_workers.float8_gather_is_the_compute_gather, axes, backend, case, fsdp_axis)
     for run in runs:
         assert run["equal"] if backend == "eager" else run["largest"] < 1e-3, run
         assert all(math.isfinite(x) for x in run["losses"])
