@@ -92,27 +92,38 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
     return counts, all(torch.equal(a, b) for a, b in zip(plain, rewritten))
 
 
-def _gather_case(case: str):
+def _mlp_case(widths: tuple, bias: bool, penalized: int | None):
+    """An MLP of ``widths`` (GELU between its linear layers), with ``penalized``'s weight also
+    read by an L2 penalty in the loss (None: no penalty)."""
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [torch.nn.Linear(a, b, bias=bias)] + ([torch.nn.GELU()] if i < len(widths) - 2 else [])
+    model = torch.nn.Sequential(*layers)
+
+    def loss_fn(params, batch):
+        out = ((fsg.apply(model, params, batch["x"]).float() - batch["y"]) ** 2).mean()
+        return out if penalized is None else out + 1e-3 * params[f"{2 * penalized}.weight"].float().square().sum()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(32, widths[0], generator=g), "y": torch.randn(32, widths[-1], generator=g)} for _ in range(3)]
+    return model, loss_fn, batches
+
+
+def _gather_case(case):
     """``(model, loss_fn, batches)``: ``"gpt"``, the tiny GPT with biases (FSDP gathers them too;
     a bias an FP8 matmul adds is not its operand and stays bf16); ``"mlp"``, three linear
     layers whose loss also reads the first weight (a penalty on it), so only the middle
-    weight is read by FP8 matmuls alone (the last is the output head)."""
+    weight is read by FP8 matmuls alone (the last is the output head); a tuple:
+    ``_mlp_case(*case)``."""
     torch.manual_seed(0)
     if case == "gpt":
         model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True))
         return model, gpt_loss(model), gpt_batches(3)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
-                                torch.nn.Linear(64, 16))  # fmt: skip
-
-    def loss_fn(params, batch):
-        out = fsg.apply(model, params, batch["x"])
-        return ((out.float() - batch["y"]) ** 2).mean() + 1e-3 * params["0.weight"].float().square().sum()
-
-    g = torch.Generator().manual_seed(1)
-    return model, loss_fn, [{"x": torch.randn(32, 32, generator=g), "y": torch.randn(32, 16, generator=g)} for _ in range(3)]
+    return _mlp_case((32, 64, 64, 16), True, 0) if case == "mlp" else _mlp_case(*case)
 
 
-def float8_gather_is_the_compute_gather(axes: dict, backend: str, case: str, fsdp_axis: str = "dp") -> dict:
+def float8_gather_is_the_compute_gather(axes: dict, backend: str, case, fsdp_axis: str = "dp") -> dict:
     """Three SGD steps of ``_gather_case(case)`` under FSDP with tensorwise FP8, its weights
     gathered in the compute dtype and in FP8 (``Float8(all_gather=...)``): whether the losses
     and the final state are bit for bit equal (``equal``), the largest difference of a loss or

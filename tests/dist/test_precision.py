@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.dist import precision_workers
 
@@ -97,3 +99,23 @@ def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(rank
         if case == "mlp":  # the penalty's read is named, with the weight
             said = run["said"]
             assert "1 weight gather stays in the compute dtype" in said and "reads it too" in said and "0.weight" in said
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    widths=st.lists(st.sampled_from([16, 32, 48, 64]), min_size=3, max_size=5),
+    bias=st.booleans(),
+    data=st.data(),
+)
+def test_fp8_gathers_are_bit_for_bit_over_drawn_mlps(ranks, widths, bias, data):
+    """Over drawn MLPs (widths, biases, a penalty on one layer's weight or none): three FSDP
+    steps with FP8 gathers end bit for bit where the compute-dtype gathers end (eager), and
+    exactly the weights FP8 matmuls alone read move as bytes: every layer's but the head's
+    and the penalized one's."""
+    layers = len(widths) - 1
+    penalized = data.draw(st.one_of(st.none(), st.integers(0, layers - 1)), label="penalized")
+    case = (tuple(widths), bias, penalized)
+    for run in ranks(2).run(precision_workers.float8_gather_is_the_compute_gather, {"dp": 2}, "eager", case):
+        assert run["equal"], run
+        want = sum(widths[i] * widths[i + 1] for i in range(layers - 1) if i != penalized)
+        assert run["fp8"].get("torch.uint8", [0])[0] == want, (run["fp8"], want)
