@@ -28,6 +28,20 @@ def torchao_float8(model, impl: str) -> None:
     convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
 
 
+FAST_ACCUM = {"-fastgi": ("forward", "grad_input"), "-fastall": ("forward", "grad_input", "grad_weight")}
+
+
+def float8_config(impl: str, configs: dict):
+    """``configs[impl]`` (an ``fsg.Float8`` or ``None``), where ``impl`` may end in a suffix of
+    ``FAST_ACCUM``: ``-fastgi`` (the grad-inputs accumulate fast too) or ``-fastall`` (all)."""
+    import fsg
+
+    for suffix, roles in FAST_ACCUM.items():
+        if impl.endswith(suffix) and configs.get(impl[: -len(suffix)]) is not None:
+            return fsg.Float8(**{**configs[impl[: -len(suffix)]]._asdict(), "fast_accum": roles})
+    return configs.get(impl)
+
+
 def byte_windows(data: bytes, n: int, batch: int, seq: int, seed: int, device: str):
     """``n`` batches of ``batch`` random windows of ``seq + 1`` bytes of ``data`` (drawn from
     ``seed``), as ``(inputs, targets)`` pairs of token ids on ``device``."""

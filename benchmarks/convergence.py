@@ -21,6 +21,9 @@ non-determinism, e.g. atomic adds in reductions):
   fsg-fp8        fsg with Policy(compute=bf16, matmul=fsg.Float8()): tensorwise FP8 linear layers
   fsg-fp8-row    fsg with Float8(recipe="rowwise"): rowwise FP8, the grad-weights in bf16
   fsg-fp8-row-gw fsg with Float8(recipe="rowwise", grad_weight="fp8"): the grad-weights in FP8 too
+  fsg-fp8*-fastgi, fsg-fp8*-fastall
+                 the same with Float8(fast_accum=("forward", "grad_input")): the grad-inputs
+                 accumulate fast too; -fastall: the grad-weights too
   compile-fp8, compile-fp8-row, compile-fp8-row-gwhp
                  compile after torchao's convert_to_float8_training (needs torchao), recipe
                  "tensorwise", "rowwise" (every matmul FP8, as fsg-fp8-row-gw) or
@@ -52,7 +55,7 @@ import time
 from pathlib import Path
 from subprocess import PIPE
 
-from _common import byte_windows, torchao_float8
+from _common import byte_windows, float8_config, torchao_float8
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "tiny": (2, 4, 64)}
@@ -156,11 +159,11 @@ def run(impl: str, args) -> dict:
             return step, model.state_dict
 
     else:
-        matmul = {
+        matmul = float8_config(impl, {
             "fsg-fp8": fsg.Float8(),
             "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
             "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-        }.get(impl)
+        })
         policy = fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast", matmul=matmul)
         train = fsg.compile_step(
             lambda params, b: fsg.apply(model, params, b["x"], b["y"]),

@@ -69,6 +69,9 @@ Implementations (--impl):
   fsg-fp8-row-gw-colamax   fsg-fp8-row-gw with FUSE_COLUMN_AMAX on: the transposed casts'
             column maxima computed in the fused cast kernels, not reduced by Inductor (measured
             slower: off by default; fsg-fp8-row-gw-nocolamax is fsg-fp8-row-gw)
+  any fsg-fp8 implementation + -fastgi   with Float8(fast_accum=("forward", "grad_input")):
+            the grad-input matmuls accumulate in the tensor cores' fast accumulator too;
+            + -fastall: the grad-weights too (e.g. fsg-fp8-row-gw-fastgi)
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import profile_table, torchao_float8
+from _common import float8_config, profile_table, torchao_float8
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
@@ -200,7 +203,7 @@ def run_torch(impl: str, args) -> dict:
             precision=fsg.Policy(
                 compute=torch.bfloat16,
                 autocast=impl == "fsg-autocast",
-                matmul={
+                matmul=float8_config(impl, {
                     "fsg-fp8": fsg.Float8(),
                     "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
                     "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
@@ -212,7 +215,7 @@ def run_torch(impl: str, args) -> dict:
                     "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                     "fsg-fp8-row-gw-colamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
                     "fsg-fp8-row-gw-nocolamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                }.get(impl),  # fmt: skip
+                }),  # fmt: skip
             ),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,

@@ -132,6 +132,19 @@ def test_a_linear_layer_becomes_three_scaled_mms_with_e4m3_inputs_and_e5m2_gradi
     torch.testing.assert_close(gw, emulated_mm(c.t(), x, E5M2, E4M3), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("fast_accum", [(), ("forward",), ("forward", "grad_input"), ("grad_weight",),
+                                        ("forward", "grad_input", "grad_weight")])  # fmt: skip
+def test_fast_accumulation_follows_each_matmuls_role(recipe, fast_accum):
+    x, w, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(32, 48, seed=2)
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    config = fsg.Float8(recipe, keep_output_head=False, grad_weight="fp8", fast_accum=fast_accum)
+    assert rewrite(gm, {1: "w"}, config) == "3 of 3 matmuls in FP8"
+    roles = {(32, 48): "forward", (32, 64): "grad_input", (48, 64): "grad_weight"}
+    fast = {roles[tuple(n.meta["val"].shape)]: n.kwargs["use_fast_accum"] for n in nodes(gm, aten._scaled_mm.default)}
+    assert fast == {role: role in fast_accum for role in roles.values()}
+
+
 def test_layers_reading_one_activation_share_its_casts():
     x, wq, wk, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(80, 64, seed=2), bf16(32, 128, seed=3)
 
@@ -810,6 +823,11 @@ def test_mlp_fp8_step_under_inductor_matches_eager():
         (lambda: fsg.Float8(grad_weight=True), r"Float8\(grad_weight=...\) must be one of \(None, 'fp8', 'compute'\)"),
         (lambda: fsg.Float8(all_gather="e4m3"), r"Float8\(all_gather=...\) must be one of \('compute', 'fp8'\)"),
         (
+            lambda: fsg.Float8(fast_accum=("forward", "backward")),
+            r"Float8\(fast_accum=...\) must be a tuple of \('forward', 'grad_input', 'grad_weight'\); got .*backward",
+        ),
+        (lambda: fsg.Float8(fast_accum=True), r"Float8\(fast_accum=...\) must be a tuple of"),
+        (
             lambda: fsg.Float8(recipe="rowwise", all_gather="fp8"),
             r"Float8\(all_gather='fp8'\) needs recipe='tensorwise' .* got str 'rowwise'. Use recipe='tensorwise'",
         ),
@@ -850,3 +868,7 @@ def test_the_config_is_part_of_the_policy():
     assert fsg.Float8(recipe="rowwise", grad_weight="fp8").fp8_grad_weight
     assert not fsg.Float8(grad_weight="compute").fp8_grad_weight
     assert fsg.Policy(torch.float32, torch.bfloat16, None).matmul is None  # positional fields unchanged
+    assert fsg.Float8().fast_accum == ("forward",)  # torchao's default
+    assert fsg.Float8(fast_accum="grad_input").fast_accum == ("grad_input",)
+    assert fsg.Float8(fast_accum=["grad_input", "forward"]).fast_accum == ("forward", "grad_input")
+    assert fsg.Float8(fast_accum={"grad_weight", "forward"}) == fsg.Float8(fast_accum=("forward", "grad_weight"))

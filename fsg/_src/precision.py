@@ -46,6 +46,7 @@ class _Float8Fields(NamedTuple):
     keep_output_head: bool
     grad_weight: str | None
     all_gather: str
+    fast_accum: tuple[str, ...]
 
 
 class Float8(_Float8Fields):
@@ -78,6 +79,13 @@ class Float8(_Float8Fields):
         shard cast to FP8 with the global scale, then gathered: half the bytes of a bf16
         gather, bit for bit the same operands and step). Nothing to do on one device or under
         plain data parallel, whose weights are not gathered.
+      fast_accum: the matmuls whose FP8 products accumulate in the tensor cores' fast,
+        reduced-precision accumulator (``_scaled_mm(use_fast_accum=True)``) instead of being
+        promoted to float32 as they go: a tuple of ``"forward"``, ``"grad_input"`` and
+        ``"grad_weight"``. The default ``("forward",)`` is torchao's; ``("forward",
+        "grad_input")`` is faster on Hopper (the grad-input contracts over a layer's width, as
+        the forward does; the grad-weight over every token of the batch) and is measured for
+        convergence in docs/precision.md#fp8.
 
     Example:
       >>> cfg = fsg.Float8(filter=lambda name: not name.startswith("blocks.0."))
@@ -89,8 +97,14 @@ class Float8(_Float8Fields):
 
     def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | None = None,
                 keep_output_head: bool = True, grad_weight: str | None = None,
-                all_gather: str = "compute") -> Float8:  # fmt: skip
-        return check_float8(super().__new__(cls, recipe, filter, keep_output_head, grad_weight, all_gather))
+                all_gather: str = "compute", fast_accum: tuple[str, ...] = ("forward",)) -> Float8:  # fmt: skip
+        if isinstance(fast_accum, str):
+            fast_accum = (fast_accum,)
+        elif isinstance(fast_accum, (list, set, frozenset)):  # (a set's order is the roles' order below)
+            fast_accum = tuple(r for r in FLOAT8_MATMULS if r in fast_accum) + tuple(
+                r for r in fast_accum if r not in FLOAT8_MATMULS)  # fmt: skip
+        fields = (recipe, filter, keep_output_head, grad_weight, all_gather, fast_accum)
+        return check_float8(super().__new__(cls, *fields))
 
     @property
     def fp8_grad_weight(self) -> bool:
@@ -101,6 +115,7 @@ class Float8(_Float8Fields):
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 FLOAT8_GRAD_WEIGHTS = (None, "fp8", "compute")
 FLOAT8_ALL_GATHERS = ("compute", "fp8")
+FLOAT8_MATMULS = ("forward", "grad_input", "grad_weight")  # a linear layer's matmuls, by role
 
 
 def check_float8(cfg: Any) -> Float8:
@@ -118,6 +133,9 @@ def check_float8(cfg: Any) -> Float8:
     if cfg.all_gather not in FLOAT8_ALL_GATHERS:
         raise checks.fail("fsg.Float8(all_gather=...)", f"must be one of {FLOAT8_ALL_GATHERS}", cfg.all_gather,
                           "E.g. all_gather='fp8'")  # fmt: skip
+    if not isinstance(cfg.fast_accum, tuple) or any(r not in FLOAT8_MATMULS for r in cfg.fast_accum):
+        raise checks.fail("fsg.Float8(fast_accum=...)", f"must be a tuple of {FLOAT8_MATMULS}", cfg.fast_accum,
+                          "E.g. fast_accum=('forward', 'grad_input')")  # fmt: skip
     if cfg.all_gather == "fp8" and cfg.recipe != "tensorwise":
         raise checks.fail("fsg.Float8(all_gather='fp8')", "needs recipe='tensorwise' (a rowwise weight is read in two "
                           "FP8 copies, scaled by row and by column: as many bytes as one gather in the compute dtype)",

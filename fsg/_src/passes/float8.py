@@ -244,7 +244,7 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         why = _why_not_op(node, rowwise)
         if node in layers:
             why = why or layers[node].why_not
-            grads, fast = (False, False), True  # the forward accumulates fast, as torchao's
+            grads, fast = (False, False), "forward" in at.config.fast_accum
         elif node in roles:
             candidates, grads, grad_weight = roles[node]
             why = why or next(
@@ -253,7 +253,7 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             if why is None and grad_weight and not at.config.fp8_grad_weight:
                 why = (f"Float8(recipe={at.config.recipe!r}, grad_weight={at.config.grad_weight!r}) keeps the "
                        "grad-weight in the compute dtype (grad_weight='fp8' runs it in FP8)")  # fmt: skip
-            fast = False
+            fast = ("grad_weight" if grad_weight else "grad_input") in at.config.fast_accum
         else:
             why = why or "it is not part of a linear layer (no forward matmul reads its operand)"
         if why is not None:
