@@ -108,12 +108,37 @@ def test_a_rowwise_linear_layer_on_cuda_matches_the_emulation():
     torch.testing.assert_close(gw, c.t() @ x)
 
 
+ALL_FAST = ("forward", "grad_input", "grad_weight")
+
+
 @needs_fp8
-@pytest.mark.parametrize("recipe, fp8_mms", [("tensorwise", 24), ("rowwise", 16)])
-def test_gpt_fp8_step_under_inductor_tracks_bf16_and_learns(recipe, fp8_mms):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fast_accumulation_in_every_matmul_on_cuda_matches_the_emulation(recipe):
+    """``Float8(fast_accum=...)`` naming all three matmuls: each ``_scaled_mm`` accumulates
+    fast, within the forward's bound of the emulation (K = 512 here)."""
+    x, w, c = (t.cuda().bfloat16() for t in (torch.randn(256, 512), torch.randn(768, 512), torch.randn(256, 768)))
+    gm = joint(_linear, x, w, c, grad_of=(0, 1))
+    config = fsg.Float8(recipe, keep_output_head=False, grad_weight="fp8", fast_accum=ALL_FAST)
+    assert rewrite(gm, {1: "w"}, config) == "3 of 3 matmuls in FP8"
+    assert all(n.kwargs["use_fast_accum"] for n in nodes(gm, aten._scaled_mm.default))
+    _, y, gx, gw = gm(x, w, c)
+    grad = E4M3 if recipe == "rowwise" else E5M2
+    for got, a, b, dtype in ((y, x, w.t(), E4M3), (gx, c, w, grad), (gw, c.t(), x, grad)):
+        want = emulated_rowwise_mm(a, b) if recipe == "rowwise" else emulated_mm(a, b, dtype, E4M3)
+        scale = float(want.float().abs().max())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@needs_fp8
+@pytest.mark.parametrize("config, fp8_mms", [
+    (fsg.Float8(), 24),
+    (fsg.Float8(recipe="rowwise"), 16),
+    (fsg.Float8(recipe="rowwise", grad_weight="fp8", fast_accum=ALL_FAST), 24),
+], ids=["tensorwise", "rowwise", "rowwise-gw-fastall"])  # fmt: skip
+def test_gpt_fp8_step_under_inductor_tracks_bf16_and_learns(config, fp8_mms):
     batches = _cuda(_gpt_batches(20))
     losses = {}
-    fp8_policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe=recipe))
+    fp8_policy = fsg.Policy(compute=torch.bfloat16, matmul=config)
     for name, policy in (("bf16", BF16), ("fp8", fp8_policy)):
         step, state = _gpt(policy)
         losses[name] = []
