@@ -219,6 +219,25 @@ def test_a_cast_an_fp8_matmul_reads_stays_a_cast():
     assert mm.args[4].target is torch.ops.aten._to_copy.default  # the bias
 
 
+def test_a_cast_an_all_gather_reads_stays_a_cast():
+    """FSDP's shard, cast before its gather, stays a cast of its own: the gathers' bucketing
+    packs its bucket from the casts (tests/dist/test_precision.py: an FSDP step keeps its
+    one packed gather); the other casts are still batched."""
+    from fsg._src import _torch_private
+
+    def fn(a, b, c):
+        gathered = _torch_private.WAIT_TENSOR(_torch_private.ALL_GATHER(a.to(BF16), 2, "group0"))
+        return gathered.sum() + b.to(BF16).sum() + c.to(BF16).sum()
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, 8), torch.randn(5), torch.randn(3, 4))
+    with P.force():
+        assert P.batch_casts(gm) == 2
+    [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
+    assert [n.name for n in flat.args[0]] == ["b_1", "c_1"]
+    [gather] = [n for n in gm.graph.nodes if n.target is _torch_private.ALL_GATHER]
+    assert gather.args[0].target is torch.ops.aten._to_copy.default
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_an_fp8_gpt_step_keeps_its_matmul_biases_as_casts(recipe):
     """GPT under ``Float8`` through the whole pipeline: the parameters the FP8 matmuls read as

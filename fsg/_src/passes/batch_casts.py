@@ -13,6 +13,11 @@ numbers); what changes is when they are written, all at the start, and how long 
 the buffer is freed after the last read of any of its views (peak memory +0.07 GiB at 124M,
 +0.22 at 355M on the H200). A cast read by an FP8 ``_scaled_mm`` (its bias) stays its own
 kernel: Inductor's lowering of ``_scaled_mm`` cannot take a slice of a larger buffer there.
+So does a cast an all-gather reads (FSDP's shard, cast before its gather): the gathers'
+bucketing (``prefetch.py``) packs each bucket's shards from their casts, into the bucket's
+buffer, in one kernel; a view of the flat buffer there would keep the gather out of its
+bucket (one collective per parameter: 28 instead of 1 for the tiny GPT of
+tests/dist/test_precision.py) and copy the bytes once more.
 
 It applies to 16-bit targets on CUDA (``force()`` extends it to CPU, where the op runs
 ``copy_`` casts: how the CPU tests check the rewrite), where a group has at least two casts;
@@ -66,16 +71,17 @@ def _source(cast: fx.Node) -> fx.Node | None:
     return src if ok else None
 
 
-def _read_by_scaled_mm(cast: fx.Node) -> bool:
-    """Whether ``cast`` (or a view of it) is an operand of ``_scaled_mm`` (the FP8 matmuls'
-    bias): Inductor's ``_scaled_mm`` lowering (torch 2.11, ``adjust_kernel_inputs``) unsqueezes
-    the bias as if it were its whole buffer, and a slice of the flat buffer fails its size check
-    at compile time (tests/gpu/test_float8_cuda.py). Such a cast stays a cast of its own."""
+def _stays(cast: fx.Node) -> bool:
+    """Whether ``cast`` (or a view of it) is read by an op that needs it as a cast of its own:
+    ``_scaled_mm`` (the FP8 matmuls' bias: Inductor's ``_scaled_mm`` lowering, torch 2.11's
+    ``adjust_kernel_inputs``, unsqueezes the bias as if it were its whole buffer, and a slice
+    of the flat buffer fails its size check at compile time, tests/gpu/test_float8_cuda.py), or
+    an all-gather (FSDP's shard: the gathers' buckets pack their shards from the casts)."""
     seen, todo = set(), [cast]
     while todo:
         node = todo.pop()
         for user in node.users:
-            if user.target is aten._scaled_mm.default:
+            if user.target in (aten._scaled_mm.default, _torch_private.ALL_GATHER):
                 return True
             if user.target in moves.VIEWS and user not in seen:
                 seen.add(user)
@@ -100,7 +106,7 @@ def batch_casts(gm: fx.GraphModule) -> int:
     groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
     for node in gm.graph.nodes:
         src = _source(node)
-        if src is not None and not _read_by_scaled_mm(node):
+        if src is not None and not _stays(node):
             val = src.meta["val"]
             groups.setdefault((val.dtype, node.kwargs["dtype"], val.device), []).append((node, src))
     mode, done = _torch_private.fake_mode(), 0
