@@ -67,16 +67,18 @@ def first_losses(axes: dict, preset: str, policy: str) -> tuple[float, float]:
 def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple[dict, bool]:
     """The tiny GPT's bf16 step on the mesh with a stage-3 pass forced on CPU (``rewrite``:
     ``"gemm_epilogues"``, whose ops run the aten ops they replace there, or ``"batch_casts"``)
-    against the same step without it: returns how many of the pass's ops (and all-gathers) the
+    against the same step without it: returns how many of the pass's ops (and collectives) the
     rank's graph holds and whether three steps left every local parameter bit for bit as the
-    plain step did; the rewrite must not change how many all-gathers the graph issues."""
+    plain step did; the rewrite must not change how many collectives of each kind the graph
+    issues (its buckets stay packed)."""
     import contextlib
     import importlib
 
     module = importlib.import_module(f"fsg._src.passes.{rewrite}")
-    gathers = "_c10d_functional.all_gather_into_tensor.default("
-    ops = {"gemm_epilogues": ("fsg.linear_gelu.default(", "fsg.mm_gelu_backward.default(", gathers),
-           "batch_casts": ("fsg.cast_flat.default(", gathers)}[rewrite]  # fmt: skip
+    collectives = tuple(f"_c10d_functional.{op}.default(" for op in ("all_gather_into_tensor", "all_reduce",
+                                                                      "reduce_scatter_tensor"))  # fmt: skip
+    ops = {"gemm_epilogues": ("fsg.linear_gelu.default(", "fsg.mm_gelu_backward.default("),
+           "batch_casts": ("fsg.cast_flat.default(",)}[rewrite] + collectives  # fmt: skip
     runs = []
     for forced in (False, True):
         model = tiny_gpt()
@@ -91,7 +93,8 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
         local = [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]
         runs.append(({op: text.count(op) for op in ops}, local))
     (plain_counts, plain), (counts, rewritten) = runs
-    assert counts[gathers] == plain_counts[gathers], (plain_counts, counts)  # FSDP's buckets stay packed
+    # the buckets stay packed: as many collectives of each kind as without the rewrite
+    assert all(counts[c] == plain_counts[c] for c in collectives), (plain_counts, counts)
     return counts, all(torch.equal(a, b) for a, b in zip(plain, rewritten))
 
 
