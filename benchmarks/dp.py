@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg                 # data parallel
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg-graph           # + CUDA-graph replay
-    torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp                 # DDP, model + loss compiled
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl ddp-opt             # + the optimizer step compiled
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsg --sharding fsdp --model 1.3b
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsdp2 --model 1.3b
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
@@ -12,8 +13,15 @@
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
 --batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
 ``fsg.Mesh(--mesh)`` (default ``dp=<world>``) with the ``--sharding`` preset; the batch is
-sharded over ``dp``. ddp: ``DDP(torch.compile(model))`` with autocast and
-``AdamW(fused=True)``. --reduce bfloat16 reduces gradients in bf16 (fsg's
+sharded over ``dp``. ddp: nanoGPT's recipe, the strongest a user would write (issue 20):
+``DDP(torch.compile(model + loss))``, the model's forward under autocast and the
+cross-entropy on float32 logits inside the one compiled region, ``AdamW(fused=True)``;
+ddp-opt: the same with the optimizer step compiled as gpt.py's compile-opt (a tensor lr,
+``foreach``, ``capturable``, ``torch.compile(opt.step)``); ddp-opt-nomix: ddp-opt with
+Inductor's mix-order reductions off (gpt.py's compile-opt-nomix, the fastest one-GPU baseline
+on 2026-12-04); ddp-model: only the model compiled, the loss in eager float32 on the
+materialized logits (the weaker baseline; RESULTS.md rows labelled ``ddp`` before the
+twenty-first session, 2026-12-04, ran this). --reduce bfloat16 reduces gradients in bf16 (fsg's
 ``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2:
 torchtitan's recipe (``benchmarks/tp_baseline.py``): with a ``tp`` axis in --mesh, Megatron
 tensor parallelism of each block (the fused qkv split by heads), each block
@@ -50,12 +58,27 @@ import tp_baseline  # noqa: E402
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
 PEAK_TFLOPS = 989.0  # H200 dense bf16
+DDP_IMPLS = ("ddp", "ddp-opt", "ddp-opt-nomix", "ddp-model")
 PRESETS = {
     "dp": lambda: fsg.sharding.data_parallel(),
     "fsdp": lambda: fsg.sharding.fsdp("dp"),
     "tp": lambda: fsg.sharding.tensor_parallel("tp"),
     "fsdp_tp": lambda: fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
 }
+
+
+class _WithLoss(torch.nn.Module):
+    """The model and its loss as one module, so that ``torch.compile`` (and DDP) take both:
+    the forward under autocast bf16, the cross-entropy on float32 logits (nanoGPT's layout)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def _mesh_axes(spec: str | None, world: int) -> dict[str, int]:
@@ -69,7 +92,7 @@ def _mesh_axes(spec: str | None, world: int) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", choices=["fsg", "fsg-graph", "ddp", "fsdp2"], required=True)
+    parser.add_argument("--impl", choices=["fsg", "fsg-graph", *DDP_IMPLS, "fsdp2"], required=True)
     parser.add_argument("--mesh", help="fsg's mesh, e.g. dp=2,tp=2 (default: dp=<world size>)")
     parser.add_argument("--sharding", choices=sorted(PRESETS), default="dp", help="fsg's sharding preset")
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
@@ -167,24 +190,40 @@ def main() -> None:
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            compiled = torch.compile(model)
+            if args.impl == "ddp-opt-nomix":  # as TORCHINDUCTOR_MIX_ORDER_REDUCTION=0
+                import torch._inductor.config as inductor_config
+
+                if not hasattr(inductor_config.triton, "mix_order_reduction"):
+                    raise SystemExit(f"--impl ddp-opt-nomix: torch {torch.__version__} has no mix-order reductions")
+                inductor_config.triton.mix_order_reduction = False
+            compiled = torch.compile(model if args.impl == "ddp-model" else _WithLoss(model))
             ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
             if world > 1 and args.reduce == "bfloat16":
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
                 ddp.register_comm_hook(None, bf16_compress_hook)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+            if args.impl.startswith("ddp-opt"):  # torch's recipe for a compiled optimizer, as gpt.py's compile-opt
+                opt = torch.optim.AdamW(
+                    model.parameters(), lr=torch.tensor(LR) if cuda else LR, betas=(B1, B2), eps=EPS,
+                    weight_decay=WD, foreach=True, capturable=cuda,
+                )  # fmt: skip
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+        opt_step = torch.compile(opt.step) if args.impl.startswith("ddp-opt") else opt.step
         dp_rank = rank // (world // dp)  # torch's meshes are row-major: the tp ranks of a dp group share rows
         rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
 
         def run(i):
             x, y = batches[i % 4]
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                logits = ddp(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            if args.impl in ("ddp-model", "fsdp2"):
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    logits = ddp(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+            else:
+                loss = ddp(x, y)
             loss.backward()
-            opt.step()
+            opt_step()
             opt.zero_grad(set_to_none=True)
             return loss
 

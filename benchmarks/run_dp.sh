@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The two-GPU data-parallel comparison of RESULTS.md (run 14) in one go, on a machine with two
-# GPUs: fsg on one GPU, fsg data parallel and FSDP on two (graph replay, bf16 reductions), DDP.
-# Usage: OUT=out bash benchmarks/run_dp.sh   (about 4 minutes; PROFILE=3 adds the overlap
+# GPUs: fsg on one GPU, fsg data parallel and FSDP on two (graph replay, bf16 reductions), and
+# the DDP baselines a user would try (model + loss compiled; with the optimizer step compiled;
+# with mix-order reductions off; each on one GPU too, for the scaling): the fastest is the
+# baseline. Usage: OUT=out bash benchmarks/run_dp.sh   (about 8 minutes; PROFILE=3 adds the overlap
 # profile). One JSON line per run in $OUT/results.jsonl, each run's log in $OUT/<name>.log.
 set -u
 OUT=${OUT:-out}
@@ -19,4 +21,7 @@ job() {
 job fsg-1gpu 1 --impl fsg
 job fsg-dp-graph-bf16 2 --impl fsg-graph --reduce bfloat16
 job fsg-fsdp-graph-bf16 2 --impl fsg-graph --sharding fsdp --reduce bfloat16
-job ddp 2 --impl ddp
+for impl in ddp ddp-opt ddp-opt-nomix; do
+  job "$impl-1gpu" 1 --impl "$impl"
+  job "$impl" 2 --impl "$impl"
+done
