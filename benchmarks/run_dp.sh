@@ -25,3 +25,4 @@ for impl in ddp ddp-opt ddp-opt-nomix; do
   job "$impl-1gpu" 1 --impl "$impl"
   job "$impl" 2 --impl "$impl"
 done
+job ddp-opt-bf16 2 --impl ddp-opt --reduce bfloat16  # bf16_compress_hook, as fsg's bf16 reductions
