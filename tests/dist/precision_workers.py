@@ -118,13 +118,15 @@ def _mlp_case(widths: tuple, bias: bool, penalized: int | None):
 
 def _gather_case(case):
     """``(model, loss_fn, batches)``: ``"gpt"``, the tiny GPT with biases (FSDP gathers them too;
-    a bias an FP8 matmul adds is not its operand and stays bf16); ``"mlp"``, three linear
+    a bias an FP8 matmul adds is not its operand and stays bf16), ``"gpt128"`` the same at width
+    128; ``"mlp"``, three linear
     layers whose loss also reads the first weight (a penalty on it), so only the middle
     weight is read by FP8 matmuls alone (the last is the output head); a tuple:
     ``_mlp_case(*case)``."""
     torch.manual_seed(0)
-    if case == "gpt":
-        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True))
+    if case in ("gpt", "gpt128"):  # (at width 128 stage 2 reads some gathered weights through a no-op slice)
+        width = 128 if case == "gpt128" else 16
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=width, bias=True))
         return model, gpt_loss(model), gpt_batches(3)
     return _mlp_case((32, 64, 64, 16), True, 0) if case == "mlp" else _mlp_case(*case)
 

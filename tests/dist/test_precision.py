@@ -74,6 +74,7 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
     ("case", "backend", "axes", "fsdp_axis"),
     [
         ("gpt", "eager", {"dp": 2}, "dp"),
+        ("gpt128", "eager", {"dp": 2}, "dp"),
         ("gpt", "inductor", {"dp": 2}, "dp"),
         ("mlp", "eager", {"dp": 2}, "dp"),
         ("gpt", "eager", {"dp": 2, "fsdp": 2}, "fsdp"),  # HSDP: sharded over fsdp, replicated over dp
@@ -96,10 +97,13 @@ def test_fsdp_gathers_weights_in_fp8_as_the_compute_dtype_gather_casts_them(rank
         assert all(math.isfinite(x) for x in run["losses"])
         compute, fp8 = run["compute"], run["fp8"]
         assert "torch.uint8" not in compute
-        assert fp8["torch.uint8"][0] == {"gpt": 48 * 16 + 16 * 16 + 64 * 16 + 16 * 64, "mlp": 64 * 64}[case]
+        qkv_proj_fc_fc_proj = {width: (3 + 1 + 4 + 4) * width * width for width in (16, 128)}
+        assert fp8["torch.uint8"][0] == {"gpt": qkv_proj_fc_fc_proj[16], "gpt128": qkv_proj_fc_fc_proj[128],
+                                         "mlp": 64 * 64}[case]  # fmt: skip
         assert compute["torch.bfloat16"][0] - fp8.get("torch.bfloat16", [0])[0] == 2 * fp8["torch.uint8"][0]
         assert fp8["torch.uint8"][1] == 1  # packed into FSDP's prefetch buckets (one bucket at these sizes)
-        want = {"gpt": "4 weights gathered in FP8", "mlp": "1 weight gathered in FP8"}[case]
+        want = {"gpt": "4 weights gathered in FP8", "gpt128": "4 weights gathered in FP8",
+                "mlp": "1 weight gathered in FP8"}[case]  # fmt: skip
         assert want in run["said"], run["said"]
         if case == "mlp":  # the penalty's read is named, with the weight
             said = run["said"]

@@ -34,12 +34,21 @@ _ALIASES = (aten.detach.default, aten.alias.default)
 _DENSE = {"memory_format": torch.contiguous_format}
 
 
+def _whole_slice(node: fx.Node) -> bool:
+    """Whether ``node`` is a slice that keeps all of its input (stage 2 reads some gathered
+    weights through ``slice(w, 0, 0, len(w))``, seen from width 128 on)."""
+    if node.target is not aten.slice.Tensor or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
+
+
 def peel(node: fx.Node) -> tuple[fx.Node, bool]:
-    """The 2-D tensor a matmul operand reads through aliases and transposes, and whether the
-    operand is its transpose."""
+    """The 2-D tensor a matmul operand reads through aliases, whole slices and transposes, and
+    whether the operand is its transpose."""
     transposed = False
     while node.op == "call_function":
-        if node.target in _ALIASES:
+        if node.target in _ALIASES or _whole_slice(node):
             node = node.args[0]
         elif node.target is aten.t.default or (
             node.target is aten.transpose.int and node.args[1] % 2 != node.args[2] % 2
