@@ -9,6 +9,8 @@
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --check
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsdp2 --mesh dp=2,tp=2 --model 355m
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg --sharding fsdp --fp8 tensorwise-gather --model 1.3b
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsdp2 --fp8 tensorwise-gather --model 1.3b
 
 Same step as benchmarks/gpt.py (GPT-2 shapes, bf16 compute, float32 params and AdamW), with
 --batch sequences of --seq tokens per data-parallel rank. fsg: ``fsg.compile_step`` on
@@ -27,7 +29,14 @@ torchtitan's recipe (``benchmarks/tp_baseline.py``): with a ``tp`` axis in --mes
 tensor parallelism of each block (the fused qkv split by heads), each block
 ``torch.compile``d, then ``fully_shard`` of each block and of the model over ``dp``
 (``MixedPrecisionPolicy``: bf16 compute, --reduce gradient reduction), ``AdamW(foreach=True)``;
-``--impl fsdp2 --mesh dp=2,tp=2 --check`` checks its tensor-parallel plan. With one process:
+``--impl fsdp2 --mesh dp=2,tp=2 --check`` checks its tensor-parallel plan. --fp8: FP8 linear
+layers (the output head in bf16). fsg: ``Policy(matmul=fsg.Float8(...))``, ``tensorwise``,
+``tensorwise-gather`` (``all_gather="fp8"``: FSDP gathers the weights as FP8 bytes),
+``rowwise``, ``rowwise-gw-fastgi`` (FP8 grad-weights, fast grad-input accumulation). ddp and
+fsdp2: torchao's ``convert_to_float8_training`` before compiling (needs torchao),
+``tensorwise``, or for fsdp2 ``tensorwise-gather``: torchtitan's FP8 FSDP2 recipe
+(``enable_fsdp_float8_all_gather=True`` and ``precompute_float8_dynamic_scale_for_fsdp`` after
+each optimizer step). With one process:
 the one-GPU baselines. Rank 0 prints one JSON line: the mean device time per step over --steps
 (CUDA events; after --warmup steps, a barrier and one more step), each step's time, global tokens/s, MFU, per-GPU peak memory, the first call's wall time and,
 from a CUDA profile, the fraction of communication that ran beside compute.
@@ -59,12 +68,29 @@ MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048),
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
 PEAK_TFLOPS = 989.0  # H200 dense bf16
 DDP_IMPLS = ("ddp", "ddp-opt", "ddp-opt-nomix", "ddp-model")
+FP8 = {  # --fp8: fsg's configuration for each name
+    "tensorwise": lambda: fsg.Float8(),
+    "tensorwise-gather": lambda: fsg.Float8(all_gather="fp8"),
+    "rowwise": lambda: fsg.Float8(recipe="rowwise"),
+    "rowwise-gw-fastgi": lambda: fsg.Float8(recipe="rowwise", grad_weight="fp8", fast_accum=("forward", "grad_input")),
+}
 PRESETS = {
     "dp": lambda: fsg.sharding.data_parallel(),
     "fsdp": lambda: fsg.sharding.fsdp("dp"),
     "tp": lambda: fsg.sharding.tensor_parallel("tp"),
     "fsdp_tp": lambda: fsg.sharding.fsdp_tensor_parallel("dp", "tp"),
 }
+
+
+def _torchao_float8(model: torch.nn.Module, name: str) -> None:
+    """torchao's float8 training on ``model``'s linear layers but its output head, as a user of
+    torchao would: ``tensorwise``, or ``tensorwise-gather`` (FSDP2 gathers the weights in FP8)."""
+    if name not in ("tensorwise", "tensorwise-gather"):
+        raise SystemExit(f"--fp8 {name}: the torch baselines run torchao's tensorwise recipes only")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=name == "tensorwise-gather")
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "lm_head")
 
 
 class _WithLoss(torch.nn.Module):
@@ -95,6 +121,7 @@ def main() -> None:
     parser.add_argument("--impl", choices=["fsg", "fsg-graph", *DDP_IMPLS, "fsdp2"], required=True)
     parser.add_argument("--mesh", help="fsg's mesh, e.g. dp=2,tp=2 (default: dp=<world size>)")
     parser.add_argument("--sharding", choices=sorted(PRESETS), default="dp", help="fsg's sharding preset")
+    parser.add_argument("--fp8", choices=sorted(FP8), help="FP8 linear layers (see above)")
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
     parser.add_argument("--batch", type=int, default=16, help="sequences per GPU")
     parser.add_argument("--seq", type=int, default=1024)
@@ -163,7 +190,8 @@ def main() -> None:
             else (lambda params, batch: fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])),
             mesh,
             optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16, reduce=None if args.reduce == "float32" else reduce_dtype),
+            precision=fsg.Policy(compute=torch.bfloat16, reduce=None if args.reduce == "float32" else reduce_dtype,
+                                 matmul=FP8[args.fp8]() if args.fp8 else None),  # fmt: skip
             cuda_graph=True if args.impl == "fsg-graph" else None,
             param_sharding=PRESETS[args.sharding]() if mesh is not None else None,
             batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
@@ -185,6 +213,8 @@ def main() -> None:
                 raise SystemExit("--impl fsdp2 needs several processes; the one-GPU baseline is --impl ddp")
 
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            if args.fp8:
+                _torchao_float8(model, args.fp8)
             ddp = tp_baseline.fsdp2_tp(model, _device_mesh(axes, dev), policy)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, foreach=True)
         else:
@@ -196,6 +226,8 @@ def main() -> None:
                 if not hasattr(inductor_config.triton, "mix_order_reduction"):
                     raise SystemExit(f"--impl ddp-opt-nomix: torch {torch.__version__} has no mix-order reductions")
                 inductor_config.triton.mix_order_reduction = False
+            if args.fp8:
+                _torchao_float8(model, args.fp8)
             compiled = torch.compile(model if args.impl == "ddp-model" else _WithLoss(model))
             ddp = DDP(compiled, device_ids=[dev.index] if cuda else None) if world > 1 else compiled
             if world > 1 and args.reduce == "bfloat16":
@@ -210,6 +242,10 @@ def main() -> None:
             else:
                 opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
         opt_step = torch.compile(opt.step) if args.impl.startswith("ddp-opt") else opt.step
+        if args.fp8 == "tensorwise-gather":  # torchtitan: each weight's scale for the next FP8 gather, in one go
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            opt_step = (lambda step: lambda: (step(), precompute_float8_dynamic_scale_for_fsdp(model)))(opt_step)
         dp_rank = rank // (world // dp)  # torch's meshes are row-major: the tp ranks of a dp group share rows
         rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]
@@ -265,6 +301,7 @@ def main() -> None:
             "mesh": axes,
             "sharding": args.sharding if args.impl.startswith("fsg") else args.impl,
             "reduce": args.reduce,
+            "fp8": args.fp8,
             "update_on_arrival": not args.no_update_on_arrival,
             "sm_carveout": args.sm_carveout,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
