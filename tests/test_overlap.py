@@ -65,6 +65,31 @@ def test_reduce_ops_and_bucket_size_split_buckets():
     assert buckets.bucket_gradient_collectives(gm, bucket_mb=2 / 1024) == 3
 
 
+def test_gradients_between_amax_all_reduces_share_one_bucket():
+    """Tensorwise FP8 on a mesh all-reduces each tensor's amax (op "max") in the backward, between
+    the gradients' sums: the sums still pack into one bucket, and the maxima, each read at once
+    by the next gradient's computation, stay where they were."""
+    graph = fx.Graph()
+    xs = [_placeholder(graph, f"x{i}", (4,)) for i in range(3)]
+    grads, h = [], _placeholder(graph, "h", (4,))
+    for x in xs:
+        amax = _reduce(graph, graph.call_function(torch.ops.aten.amax.default, (h,)), op="max")
+        h = graph.call_function(torch.ops.aten.mul.Tensor, (x, amax))  # the next gradient reads the amax
+        h.meta["val"] = torch.empty(4, device="meta")
+        grads.append(_reduce(graph, h))
+    graph.output(tuple(grads))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    for node in gm.graph.nodes:  # the amaxes' inputs: scalars
+        if node.target is torch.ops.aten.amax.default:
+            node.meta["val"] = torch.empty((), device="meta")
+    assert buckets.bucket_gradient_collectives(gm) == 1  # one bucket of sums
+    gm.graph.lint()
+    sums = [n for n in _all_reduces(gm) if n.args[1] == "sum"]
+    assert len(sums) == 1 and sums[0].args[0].target is torch.ops.aten.cat.default
+    maxima = [n for n in _all_reduces(gm) if n.args[1] == "max"]
+    assert len(maxima) == 3 and all(n.next.target is WAIT and n.next.args[0] is n for n in maxima)
+
+
 def test_reduce_scatters_pack_as_rows_so_each_rank_keeps_its_shards():
     graph = fx.Graph()
     a, b = _placeholder(graph, "a", (4, 3)), _placeholder(graph, "b", (2,))

@@ -19,11 +19,12 @@ POLICIES = {
 }
 
 
-def float8_matches_unsharded(axes: dict, preset: str, policy: str) -> tuple[int, int, int]:
+def float8_matches_unsharded(axes: dict, preset: str, policy: str) -> tuple[int, int, int, int]:
     """The tiny GPT's step under ``preset`` equals the unsharded step with the same policy
     (``"rowwise"``, ``"tensorwise"`` or ``"bf16"``, the reference for how close bf16 steps
-    come); returns how many ``_scaled_mm``, fused GELU-gradient casts and all-reduces the
-    sharded step's graph holds."""
+    come); returns how many ``_scaled_mm``, fused GELU-gradient casts, all-reduces and
+    summing collectives (the gradients' buckets, and a mean loss's) the sharded step's graph
+    holds."""
     precision = POLICIES[policy]
     model = tiny_gpt()
     # SGD, not Adam: Adam turns a gradient's last-bit difference near zero into a whole update
@@ -33,9 +34,12 @@ def float8_matches_unsharded(axes: dict, preset: str, policy: str) -> tuple[int,
         gpt_loss(model), fsg.params(model), gpt_batches(), fsg.testing.mesh(axes), rtol=2e-2, atol=2e-3, **options
     )
     step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), backend="eager", **options)
-    counts = step.lower(step.init(fsg.params(model)), gpt_batches(1)[0]).op_counts()
+    lowered = step.lower(step.init(fsg.params(model)), gpt_batches(1)[0])
+    counts = lowered.op_counts()
     reduces = counts.get("_c10d_functional.all_reduce", 0)
-    return counts.get("aten._scaled_mm", 0), counts.get("fsg.gelu_backward_fp8", 0), reduces
+    summing = (torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    sums = sum(n.target in summing and n.args[1] in ("sum", "avg") for n in lowered.graph_module.graph.nodes)
+    return counts.get("aten._scaled_mm", 0), counts.get("fsg.gelu_backward_fp8", 0), reduces, sums
 
 
 def float8_under_tensor_parallel_is_refused(axes: dict, policy: str) -> str:

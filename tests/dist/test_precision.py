@@ -13,8 +13,9 @@ from tests.dist import precision_workers
 def test_float8_on_data_parallel_and_fsdp_equals_the_unsharded_step(ranks, preset):
     """A rank's token rows and (gathered) weight channels are the unsharded step's, so are their
     scales: rowwise's are a row's own, tensorwise's the global batch's (each activation's and
-    gradient's amax all-reduced, max, over the batch's axis). The dp=2 step stays within the
-    tolerance the bf16 steps of tests/dist are held to."""
+    gradient's amax all-reduced, max, over the batch's axis), and those all-reduces, issued
+    between the gradients' collectives, do not cut the gradients' buckets. The dp=2 step stays
+    within the tolerance the bf16 steps of tests/dist are held to."""
     group = ranks(2)
     (bf16, _), (rowwise, _), (tensorwise, _) = (
         group.run(precision_workers.float8_matches_unsharded, {"dp": 2}, preset, policy)
@@ -26,6 +27,7 @@ def test_float8_on_data_parallel_and_fsdp_equals_the_unsharded_step(ranks, prese
     assert rowwise[2] == bf16[2]  # a row's scale needs no collective
     assert tensorwise[0] >= 12  # forward, grad-input and grad-weight of the same four layers
     assert tensorwise[2] > bf16[2]  # the amax all-reduces
+    assert tensorwise[3] == rowwise[3] == bf16[3]  # ... do not cut the gradients' buckets
 
 
 @pytest.mark.parametrize("policy", ["rowwise", "tensorwise"])

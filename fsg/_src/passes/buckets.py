@@ -14,7 +14,9 @@ last input is computed, and its wait right before the first use of any result. C
 are asynchronous on NCCL, so a bucket reduces while the rest of the backward runs.
 
 Buckets are cut by ``bucketing.buckets`` and packed by ``packing.pack`` (shared with
-``prefetch.py``). A bucket never holds an all-reduce whose input depends on an earlier
+``prefetch.py``). Only sums are bucketed: an all-reduce of another op (tensorwise FP8's
+amaxes, ``max``, one a tensor, its result read by the cast right after it) stays where stage
+2 put it, so that the amaxes of the backward do not cut its gradients' buckets. A bucket never holds an all-reduce whose input depends on an earlier
 member's result (tensor parallel's forward all-reduces do): it is closed before such a
 member, so the rewrite keeps every dependency. The sums are elementwise, so the result is the
 same as one collective per tensor.
@@ -41,6 +43,7 @@ from fsg._src.passes.ordering import NodeOrder
 log = logging.getLogger("fsg")
 
 _COLLECTIVES = (_torch_private.ALL_REDUCE, _torch_private.REDUCE_SCATTER)
+_SUMS = ("sum", "avg")  # the reduce ops this pass buckets
 
 
 class _Item:
@@ -101,7 +104,9 @@ def bucket_gradient_collectives(gm: fx.GraphModule, bucket_mb: float = DEFAULT_B
             hoist_views(node.args[0], order)
             for wait in [u for u in node.users if u.target is _torch_private.WAIT_TENSOR]:
                 sink_casts(wait, order)
-    items = _items(gm.graph, order)
+    # only sums (the gradients', a mean loss's): a maximum (tensorwise FP8's amaxes, read at once
+    # by the cast after it) stays where stage 2 put it, so it cannot cut a run of sums in two
+    items = [item for item in _items(gm.graph, order) if item.collective.args[1] in _SUMS]
     buckets = bucketing.buckets(
         items, int(bucket_mb * 2**20), key=lambda i: i.key, nbytes=lambda i: i.nbytes, joins=_independent
     )
