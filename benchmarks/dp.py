@@ -154,6 +154,8 @@ def main() -> None:
         "cuBLASLt preferred) so that matmuls overlapping NCCL kernels do not run a second wave",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.fp8 == "tensorwise-gather" and args.impl in DDP_IMPLS:
+        parser.error("--fp8 tensorwise-gather gathers FSDP's weights in FP8: use --impl fsdp2 or fsg --sharding fsdp")
     reduce_dtype = getattr(torch, args.reduce)
     if args.sm_carveout:
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -245,7 +247,11 @@ def main() -> None:
         if args.fp8 == "tensorwise-gather":  # torchtitan: each weight's scale for the next FP8 gather, in one go
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-            opt_step = (lambda step: lambda: (step(), precompute_float8_dynamic_scale_for_fsdp(model)))(opt_step)
+            update = opt_step
+
+            def opt_step():
+                update()
+                precompute_float8_dynamic_scale_for_fsdp(model)
         dp_rank = rank // (world // dp)  # torch's meshes are row-major: the tp ranks of a dp group share rows
         rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
         batches = [(d[rows, :-1].to(dev), d[rows, 1:].to(dev)) for d in data]

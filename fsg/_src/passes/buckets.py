@@ -16,9 +16,10 @@ are asynchronous on NCCL, so a bucket reduces while the rest of the backward run
 Buckets are cut by ``bucketing.buckets`` and packed by ``packing.pack`` (shared with
 ``prefetch.py``). Only sums are bucketed: an all-reduce of another op (tensorwise FP8's
 amaxes, ``max``, one a tensor, its result read by the cast right after it) stays where stage
-2 put it, so that the amaxes of the backward do not cut its gradients' buckets. A bucket never holds an all-reduce whose input depends on an earlier
-member's result (tensor parallel's forward all-reduces do): it is closed before such a
-member, so the rewrite keeps every dependency. The sums are elementwise, so the result is the
+2 put it, so that the amaxes of the backward do not cut its gradients' buckets. A bucket
+never holds an all-reduce whose input depends on an earlier member's result (tensor
+parallel's forward all-reduces do): it is closed before such a member, so the rewrite keeps
+every dependency. The sums are elementwise, so the result is the
 same as one collective per tensor.
 
 The forward's small collectives stop blocking the step too: one whose input depends on the
