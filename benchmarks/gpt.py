@@ -51,6 +51,8 @@ Implementations (--impl):
             reductions left to torch's sum (a memset and a reduction kernel each)
   fsg-eachcast   fsg with the batch_casts pass off: each parameter cast to bf16 by a kernel of
             its own (Inductor's), not all in one multi-tensor launch
+  any fsg implementation + -catgrads   with the pack_attention_grads pass off: attention's
+            backward writes dq, dk, dv apart and the graph concatenates them (fsg-catgrads)
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -170,6 +172,10 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     else:
+        from fsg._src.passes import pack_attention_grads
+
+        pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
+        impl = impl.removesuffix("-catgrads")  # the rest of the configuration is the base's
         logits_loss = impl == "fsg-logits"
         from fsg._src.passes import float8_fuse
 

@@ -25,6 +25,7 @@ from fsg._src.passes import (
     fuse_bias_grads,
     gemm_epilogues,
     narrow_reads,
+    pack_attention_grads,
     prefetch,
     run_pass,
     update_on_arrival,
@@ -56,8 +57,13 @@ class Pass(NamedTuple):
 
 
 PASSES = (
+    # attention's backward writes the qkv gradient in place of a concatenation (a rank's local
+    # rewrite, so also on a mesh; before float8, which then casts the packed gradient)
+    Pass("pack_attention_grads", lambda gm, o: pack_attention_grads.pack_attention_grads(gm),
+         lambda o: pack_attention_grads.ENABLED),  # fmt: skip
     # reads the parameters' names off their inputs, before the gathers are packed (on a mesh)
-    Pass("float8", lambda gm, o: float8.rewrite(gm, o.float8), lambda o: o.float8 is not None),
+    Pass("float8", lambda gm, o: float8.rewrite(gm, o.float8), lambda o: o.float8 is not None,
+         after=("pack_attention_grads",)),  # fmt: skip
     # finds the gradients by their fsg::grad markers, and the update by the donation copy_s
     Pass("fuse_adamw", lambda gm, o: fuse_adamw.fuse_adamw(gm, o.adamw), lambda o: o.adamw is not None),
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
