@@ -127,14 +127,17 @@ def test_the_pipeline_runs_it_first_before_float8_also_on_a_mesh():
     assert by_name["pack_attention_grads"].applies(pipeline.Options(on_mesh=True))
 
 
-def _gpt_run(forced: bool, n_layer=2, steps=3):
+BF16_POLICY = fsg.Policy(compute=BF16)
+
+
+def _gpt_run(forced: bool, n_layer=2, steps=3, policy=BF16_POLICY):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
 
     def loss_fn(params, batch):
         return fsg.apply(model, params, batch["x"], batch["y"])
 
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16))
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=policy)
     state = step.init(fsg.params(model))
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
     batch = {"x": x[:, :-1], "y": x[:, 1:]}
@@ -155,3 +158,19 @@ def test_a_gpt_step_with_the_op_in_place_equals_the_plain_step():
     assert "_scaled_dot_product_flash_attention_for_cpu_backward" not in text
     assert loss == loss_plain
     assert all(torch.equal(params[k], params_plain[k]) for k in params)
+
+
+def test_under_rowwise_fp8_the_packed_gradient_is_cast_as_any_operand():
+    """With ``Float8(recipe="rowwise")`` the pass runs first: the float8 pass then finds no
+    concatenation to fuse with its cast (``fsg::cat_rowwise_fp8``) and casts the packed gradient
+    for the qkv grad-input with its column sums (``fsg::rowwise_fp8``); the same numbers, so the
+    steps end alike."""
+    rowwise = fsg.Policy(compute=BF16, matmul=fsg.Float8(recipe="rowwise"))
+    text, loss, params = _gpt_run(True, policy=rowwise)
+    text_plain, loss_plain, params_plain = _gpt_run(False, policy=rowwise)
+    assert text.count("fsg.attention_backward_packed.default(") == 2 and "fsg.cat_rowwise_fp8" not in text
+    assert text_plain.count("fsg.cat_rowwise_fp8.default(") == 2
+    assert text.count("fsg.rowwise_fp8.default(") == text_plain.count("fsg.rowwise_fp8.default(") + 2
+    assert text.count("aten._scaled_mm") == text_plain.count("aten._scaled_mm")
+    assert abs(loss - loss_plain) < 1e-3
+    assert all(torch.allclose(params[k], params_plain[k], rtol=1e-2, atol=1e-4) for k in params)

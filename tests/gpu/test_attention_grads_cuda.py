@@ -74,7 +74,7 @@ def test_the_packed_backward_replays_in_a_cuda_graph():
     assert (captured.float() - direct.float()).abs().max() <= 1e-2 * direct.float().abs().max()
 
 
-def _gpt_steps(enabled: bool, steps: int = 5):
+def _gpt_steps(enabled: bool, steps: int = 5, matmul=None):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     from gpt import GPT, GPTConfig
 
@@ -86,7 +86,9 @@ def _gpt_steps(enabled: bool, steps: int = 5):
 
     P.ENABLED = enabled
     try:
-        step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16))
+        step = fsg.compile_step(
+            loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16, matmul=matmul)
+        )
         state = step.init(fsg.params(model))
         x = torch.randint(0, 256, (8, 65), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
         batch = {"x": x[:, :-1], "y": x[:, 1:]}
@@ -110,3 +112,16 @@ def test_a_gpt_step_with_packed_attention_grads_tracks_the_plain_step_cuda():
     assert text.count("fsg.attention_backward_packed.default(") == 2
     assert "attention_backward_packed" not in text_off and "_scaled_dot_product_cudnn_attention_backward" in text_off
     assert max(abs(a - b) for a, b in zip(losses, losses_off)) < 1e-3 * abs(losses_off[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="needs FP8")
+def test_under_rowwise_fp8_the_packed_gradient_feeds_the_fp8_cast_cuda():
+    """Rowwise FP8: the packed gradient is cast by ``fsg::rowwise_fp8`` (no ``cat_rowwise_fp8``
+    left), and the steps track those with the pass off."""
+    pytest.importorskip("cudnn")
+    rowwise = fsg.Float8(recipe="rowwise")
+    text, losses = _gpt_steps(True, matmul=rowwise)
+    text_off, losses_off = _gpt_steps(False, matmul=rowwise)
+    assert text.count("fsg.attention_backward_packed.default(") == 2 and "cat_rowwise_fp8" not in text
+    assert text_off.count("fsg.cat_rowwise_fp8.default(") == 2
+    assert max(abs(a - b) for a, b in zip(losses, losses_off)) < 2e-3 * abs(losses_off[0])
