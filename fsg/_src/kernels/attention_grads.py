@@ -24,6 +24,7 @@ replaces and the concatenation, bit for bit the graph it replaced.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 
@@ -35,6 +36,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _LOCK = threading.Lock()
 _STATE: dict = {}  # "module": the cudnn package or None; per device: handle; per problem: graph
 _MIN_VERSION = (1, 14)
+# the cuDNN graphs and handles go before the interpreter does (nanobind, which binds the newer
+# packages, reports objects still alive at exit as leaks)
+atexit.register(_STATE.clear)
 
 
 def _cudnn():
