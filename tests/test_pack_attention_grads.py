@@ -174,3 +174,18 @@ def test_under_rowwise_fp8_the_packed_gradient_is_cast_as_any_operand():
     assert text.count("aten._scaled_mm") == text_plain.count("aten._scaled_mm")
     assert abs(loss - loss_plain) < 1e-3
     assert all(torch.allclose(params[k], params_plain[k], rtol=1e-2, atol=1e-4) for k in params)
+
+
+def test_cudnn_is_only_handed_rows_it_reads_in_16_byte_vectors():
+    """The per-call layout check before cuDNN's packed backward (a built graph is reused for any
+    tensor of its shapes and strides): unit last stride, other strides and the address
+    multiples of 16 bytes; anything else takes the aten backward."""
+    base = torch.zeros(2 * 64 * 3 * 4 * 16 + 8, dtype=BF16)
+    qkv = base[:-8].view(2, 64, 3 * 4 * 16)
+    q, k, v = (t.view(2, 64, 4, 16).transpose(1, 2) for t in qkv.split(64, dim=2))
+    assert all(A._aligned(t) for t in (q, k, v))
+    shifted = base[1:-7].view(2, 64, 3 * 4 * 16)[..., :64].view(2, 64, 4, 16).transpose(1, 2)
+    assert not A._aligned(shifted)  # the address 2 bytes off
+    narrow = torch.zeros(2, 64, 3 * 4 * 12, dtype=BF16)[..., 36:72].view(2, 64, 3, 12).transpose(1, 2)
+    assert not A._aligned(narrow)  # heads of 12 elements: 24 bytes apart, and 72 bytes in
+    assert not A._aligned(torch.zeros(2, 4, 64, 16, dtype=BF16).transpose(2, 3))  # last stride not 1

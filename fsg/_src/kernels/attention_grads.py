@@ -121,7 +121,7 @@ def _packed_backward(grad_out, q, k, v, out, logsumexp, grads, is_causal, scale)
     """Runs cuDNN's backward into ``grads`` (views of the packed buffer); False where it cannot
     (no package, a dtype or layout cuDNN's graph does not take), and nothing is written."""
     tensors = (q, k, v, out, grad_out)
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype or t.stride(-1) != 1 for t in tensors):
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype or not _aligned(t) for t in tensors):
         return False
     if k.shape != q.shape or v.shape != q.shape or logsumexp.dtype != torch.float32 or not available(q.device):
         return False
@@ -141,6 +141,14 @@ def _packed_backward(grad_out, q, k, v, out, logsumexp, grads, is_causal, scale)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
     graph.execute(dict(zip(uids, (*inputs, *grads))), workspace, handle=handle)
     return True
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Rows cuDNN reads in 16-byte vectors: a unit last stride, the other strides and the address
+    multiples of 16 bytes (checked per call: a graph built for one problem is reused for every
+    tensor of its shapes and strides, wherever it lies)."""
+    unit = 16 // t.element_size()
+    return t.stride(-1) == 1 and all(s % unit == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
 def _handle(device: torch.device):
