@@ -30,11 +30,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu"):
+def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu", policy=None, **compile_kw):
     """examples/gpt.py's GPT (``GPTConfig(**config)``, seed 0) trained by ``compile_step`` under
-    ``Policy(compute=bfloat16)`` with AdamW(1e-3), one step per ``[B, T + 1]`` tensor of token
-    ``rows`` (inputs and their next tokens); returns the optimized graph's text, the losses and
-    the final params."""
+    ``policy`` (default ``Policy(compute=bfloat16)``) with AdamW(1e-3) and ``compile_kw``
+    (``backend=``, ``accum_steps=``), one step per ``[B, T + 1]`` tensor of token ``rows``
+    (inputs and their next tokens); returns the optimized graph's text, the losses and the
+    final params."""
     import sys
     from pathlib import Path
 
@@ -45,7 +46,7 @@ def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu"):
     model = GPT(GPTConfig(**config)).to(device)
     step = fsg.compile_step(
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]), None,
-        optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16),
+        optimizer=fsg.optim.adamw(1e-3), precision=policy or fsg.Policy(compute=torch.bfloat16), **compile_kw,
     )  # fmt: skip
     state = step.init(fsg.params(model))
     batches = [{"x": r[:, :-1].to(device), "y": r[:, 1:].to(device)} for r in rows]
@@ -55,3 +56,18 @@ def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu"):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     return text, losses, {k: v.clone() for k, v in state.params.items()}
+
+
+TINY_GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_gpt_run(rewrite, steps: int = 3, policy=None, **compile_kw):
+    """Three steps (``steps``) of a tiny GPT (``TINY_GPT``) on one fixed batch of 2 x 16
+    tokens, the graph optimized and run inside the context ``rewrite`` (a pass's ``force()``,
+    or ``contextlib.nullcontext()``): the tests that check a CUDA-only rewrite on CPU compare
+    the step it rewrote with the plain one. Returns the graph's text, the last loss, the
+    params."""
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    with rewrite:
+        text, losses, params = gpt_bf16_steps(TINY_GPT, [x] * steps, policy=policy, **compile_kw)
+    return text, losses[-1], params

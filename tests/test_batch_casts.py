@@ -4,8 +4,6 @@ kernel under TRITON_INTERPRET=1)."""
 
 import contextlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ from fsg._src.kernels import cast_flat as K
 from fsg._src.kernels._common import cpu_interpreter
 from fsg._src.passes import batch_casts as P
 from fsg._src.passes import pipeline
+from tests.helpers import tiny_gpt_run
 from tests.kernels.common import KERNEL, needs_triton
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
 
 BF16, F16 = torch.bfloat16, torch.float16
 _SHAPES = st.lists(
@@ -154,21 +150,9 @@ def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
     assert names.index("batch_casts") < names.index("bucket_parameter_gathers")
 
 
-def _gpt_run(forced: bool, backend: str, steps=3, accum_steps=1, policy=None):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    step = fsg.compile_step(
-        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
-        optimizer=fsg.optim.adamw(1e-3), precision=policy or fsg.Policy(compute=BF16), backend=backend, accum_steps=accum_steps,
-    )  # fmt: skip
-    state = step.init(fsg.params(model))
-    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
-    batch = {"x": x[:, :-1], "y": x[:, 1:]}
-    with P.force() if forced else contextlib.nullcontext():
-        text = step.lower(state, batch).as_text()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-    return text, float(metrics["loss"]), state.params
+def _gpt_run(forced: bool, backend: str, accum_steps=1, policy=None):
+    rewrite = P.force() if forced else contextlib.nullcontext()
+    return tiny_gpt_run(rewrite, policy=policy, backend=backend, accum_steps=accum_steps)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

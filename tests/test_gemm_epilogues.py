@@ -7,8 +7,6 @@ on whole GPT steps, and every case the pass must leave alone is checked to be le
 cuBLASLt epilogues themselves are checked on the GPU (tests/gpu/test_linear_gelu_cuda.py)."""
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import fsg
 from fsg._src.kernels import cublaslt
 from fsg._src.kernels import linear_gelu as L
 from fsg._src.passes import gemm_epilogues as P
 from fsg._src.passes import pipeline
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from tests.helpers import tiny_gpt_run
 
 aten = torch.ops.aten
 BF16 = torch.bfloat16
@@ -73,7 +68,12 @@ def _targets(gm):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 4).map(lambda t: 8 * t), st.sampled_from([8, 16, 32]), st.sampled_from([8, 32, 64]))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 4).map(lambda t: 8 * t),
+    st.sampled_from([8, 16, 32]),
+    st.sampled_from([8, 32, 64]),
+)
 def test_the_rewritten_mlp_computes_exactly_what_it_did(B, T, D, H):
     """Forward and backward become one op each; the bias gradient of ``fc1`` sums the op's
     ``dh``; the loss and every gradient are the original graph's bit for bit (the ops' CPU path)."""
@@ -151,7 +151,13 @@ def test_a_grad_input_read_elsewhere_keeps_its_matmul():
         da = g @ w2
         return F.gelu(h, approximate="tanh"), aten.gelu_backward.default(da, h, approximate="tanh"), da
 
-    inputs = [_randn(16, 8, seed=1), _randn(32, 8, seed=2), _randn(32, seed=3), _randn(8, 32, seed=4), _randn(16, 8, seed=5)]
+    inputs = [
+        _randn(16, 8, seed=1),
+        _randn(32, 8, seed=2),
+        _randn(32, seed=3),
+        _randn(8, 32, seed=4),
+        _randn(16, 8, seed=5),
+    ]
     gm = make_fx(step)(*inputs)
     want = gm(*inputs)
     with P.force(), halves():
@@ -179,22 +185,9 @@ def test_the_pipeline_runs_it_after_float8_before_the_bias_gradient_pass_also_on
     assert by_name["gemm_epilogues"].applies(pipeline.Options(on_mesh=True))  # tests/dist/test_precision.py
 
 
-def _gpt_run(forced: bool, n_layer=2, steps=3, backward=True):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
-
-    def loss_fn(params, batch):
-        return fsg.apply(model, params, batch["x"], batch["y"])
-
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=BF16))
-    state = step.init(fsg.params(model))
-    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
-    batch = {"x": x[:, :-1], "y": x[:, 1:]}
-    with P.force() if forced else contextlib.nullcontext(), halves(backward):
-        text = step.lower(state, batch).as_text()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-    return text, float(metrics["loss"]), state.params
+def _gpt_run(forced: bool, backward=True):
+    with halves(backward):
+        return tiny_gpt_run(P.force() if forced else contextlib.nullcontext())
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -8,8 +8,6 @@ to be left alone. cuDNN's packed backward itself is checked on the GPU
 (tests/gpu/test_attention_grads_cuda.py)."""
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +20,7 @@ import fsg
 from fsg._src.kernels import attention_grads as A
 from fsg._src.passes import pack_attention_grads as P
 from fsg._src.passes import pipeline
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig  # noqa: E402
+from tests.helpers import tiny_gpt_run
 
 BF16 = torch.bfloat16
 
@@ -127,25 +123,8 @@ def test_the_pipeline_runs_it_first_before_float8_also_on_a_mesh():
     assert by_name["pack_attention_grads"].applies(pipeline.Options(on_mesh=True))
 
 
-BF16_POLICY = fsg.Policy(compute=BF16)
-
-
-def _gpt_run(forced: bool, n_layer=2, steps=3, policy=BF16_POLICY):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
-
-    def loss_fn(params, batch):
-        return fsg.apply(model, params, batch["x"], batch["y"])
-
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=policy)
-    state = step.init(fsg.params(model))
-    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
-    batch = {"x": x[:, :-1], "y": x[:, 1:]}
-    with P.force() if forced else contextlib.nullcontext():
-        text = step.lower(state, batch).as_text()
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-    return text, float(metrics["loss"]), state.params
+def _gpt_run(forced: bool, policy=None):
+    return tiny_gpt_run(P.force() if forced else contextlib.nullcontext(), policy=policy)
 
 
 def test_a_gpt_step_with_the_op_in_place_equals_the_plain_step():
