@@ -6,15 +6,13 @@ masks and scales: the same kernels, so equal up to the order of dq's float32 ato
 (max difference under 1% of the gradient's largest element; in practice 0 to 1e-6); in a
 replayed CUDA graph; and a whole GPT step with the pass on against the same step with it off."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import fsg
 from fsg._src.kernels import attention_grads as A
 from fsg._src.passes import pack_attention_grads as P
+from tests.helpers import gpt_bf16_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 aten = torch.ops.aten
@@ -75,28 +73,11 @@ def test_the_packed_backward_replays_in_a_cuda_graph():
 
 
 def _gpt_steps(enabled: bool, steps: int = 5, matmul=None):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    from gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)).cuda()
-
-    def loss_fn(params, batch):
-        return fsg.apply(model, params, batch["x"], batch["y"])
-
+    config = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+    x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))
     P.ENABLED = enabled
     try:
-        step = fsg.compile_step(
-            loss_fn, optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16, matmul=matmul)
-        )
-        state = step.init(fsg.params(model))
-        x = torch.randint(0, 256, (8, 65), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
-        batch = {"x": x[:, :-1], "y": x[:, 1:]}
-        text = step.lower(state, batch).as_text()
-        losses = []
-        for _ in range(steps):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+        text, losses, _ = gpt_bf16_steps(config, [x] * steps, "cuda", fsg.Policy(compute=torch.bfloat16, matmul=matmul))
     finally:
         P.ENABLED = True
     return text, losses
