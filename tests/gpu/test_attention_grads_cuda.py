@@ -72,6 +72,27 @@ def test_the_packed_backward_replays_in_a_cuda_graph():
     assert (captured.float() - direct.float()).abs().max() <= 1e-2 * direct.float().abs().max()
 
 
+def test_a_problem_first_met_inside_a_capture_takes_the_aten_backward_there():
+    """No cuDNN graph is built while a CUDA graph is captured: that call runs torch's backward
+    and the concatenation (replayed alike), and the problem is built at its next call outside."""
+    pytest.importorskip("cudnn")
+    args = _problem(2, 4, 192, 64, torch.bfloat16, True, None, seed=2)  # a shape no other test uses
+    want = _concatenated(*args, True, None)
+    built = len(A._STATE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = A.attention_backward_packed(*args, True, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(A._STATE) == built  # nothing built inside the capture
+    assert (captured.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    g, q, k, v, out, lse = args[:6]
+    B, H, T, D = q.shape
+    packed = torch.empty((B, T, 3, H, D), dtype=q.dtype, device="cuda")
+    assert A._packed_backward(g, q, k, v, out, lse, [packed.select(2, i).transpose(1, 2) for i in range(3)], True, None)
+    assert len(A._STATE) > built  # built at the next call outside
+
+
 def _gpt_steps(enabled: bool, steps: int = 5, matmul=None):
     config = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
     x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))

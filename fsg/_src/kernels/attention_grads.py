@@ -13,7 +13,8 @@ strides for its outputs, so ``attention_backward_packed`` hands it three views o
 without the copy. cuDNN is reached through NVIDIA's ``cudnn`` Python package
 (``pip install nvidia-cudnn-frontend``, or the ``fsg[cudnn]`` extra), which binds the cuDNN
 library torch already loaded; each problem (shapes, strides, dtype, mask, scale) builds its
-cuDNN graph once, on its first call (outside a CUDA-graph capture: fsg's warm-up run).
+cuDNN graph once, on its first call outside a CUDA-graph capture (fsg's warm-up run); a
+problem first met inside a capture runs the aten backward there, and in that graph's replays.
 
 The values are cuDNN's, computed by the same kernels as torch's backward: equal to it up to the
 order of dq's float32 atomic sums, which already differs from run to run in torch's own
@@ -132,6 +133,8 @@ def _packed_backward(grad_out, q, k, v, out, logsumexp, grads, is_causal, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     inputs = (*tensors, stats)
     key = (q.device.index, q.dtype, bool(is_causal), float(scale), *((t.shape, t.stride()) for t in (*inputs, *grads)))
+    if key not in _STATE and torch.cuda.is_current_stream_capturing():
+        return False  # no cuDNN graph is built inside a capture (that call, and its replays, take aten's)
     built = _graph(key, inputs, grads, is_causal, scale)
     if built is None:
         return False
