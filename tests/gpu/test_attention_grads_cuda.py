@@ -78,6 +78,7 @@ def test_a_problem_first_met_inside_a_capture_takes_the_aten_backward_there():
     pytest.importorskip("cudnn")
     args = _problem(2, 4, 192, 64, torch.bfloat16, True, None, seed=2)  # a shape no other test uses
     want = _concatenated(*args, True, None)
+    assert A.available(torch.device("cuda"))  # the package loaded before the capture
     built = len(A._STATE)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
