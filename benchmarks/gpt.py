@@ -17,6 +17,9 @@ the whole run, compile and CUDA-graph capture included (torch: max_memory_alloca
 peak_bytes_in_use); "reserved" is what the allocator held at most (torch:
 max_memory_reserved; JAX: peak_bytes_reserved where reported). MFU counts
 6 N + 12 L T D FLOPs per token (N: params without the position embedding) against 989 TFLOP/s.
+The fsg rows of RESULTS.md from the twenty-second session on ran with NVIDIA's cuDNN frontend
+installed (`pip install -e ".[cudnn]"`; the versions column names it): without it the
+attention backward's qkv gradient is concatenated (the `-catgrads` rows).
 
 Implementations (--impl):
   eager     PyTorch modules, autocast, torch.optim.AdamW(fused=True)
@@ -293,8 +296,21 @@ def run_torch(impl: str, args) -> dict:
         "first_loss": first,
         "last_loss": float(loss),
         "n_params": n_params,
-        "versions": f"torch {torch.__version__}",
+        "versions": f"torch {torch.__version__}" + _cudnn_frontend(impl),
     }
+
+
+def _cudnn_frontend(impl: str) -> str:
+    """``", cudnn-frontend X"`` for an fsg row run with NVIDIA's cuDNN frontend installed (with
+    it attention's backward writes the qkv gradient in place: docs/kernels.md), else ``""``."""
+    if not impl.startswith("fsg"):
+        return ""
+    try:
+        from importlib.metadata import version
+
+        return f", cudnn-frontend {version('nvidia-cudnn-frontend')}"
+    except Exception:  # noqa: BLE001 - not installed
+        return ""
 
 
 def run_jax(args) -> dict:
