@@ -265,9 +265,9 @@ def test_wrapper_lines_rewritten_sees_the_lines_inductor_writes():
     assert "wrapper_code.writeline(final_reduce)" in source
     seen = []
 
-    def rewrite(line, imports):
+    def rewrite(line, wrapper):
         seen.append(line)
-        imports.writeline("import math")
+        wrapper.imports.writeline("import math")
         return line.replace("old", "new")
 
     wrapper = PythonWrapperCodegen.__new__(PythonWrapperCodegen)  # the buffers writeline uses, nothing more
@@ -278,3 +278,30 @@ def test_wrapper_lines_rewritten_sees_the_lines_inductor_writes():
         wrapper.writeline("buf0 = old")
     assert seen == ["buf0 = old"] and "buf0 = new" in [str(line) for line in wrapper.lines]
     assert "import math" in wrapper.imports.getvalue()
+
+
+def test_buffer_storage_tells_a_slice_of_a_cat_from_a_buffer_of_its_own():
+    """The question ``backend/column_sums.py`` asks while Inductor writes a wrapper: the inputs
+    of a ``cat`` that Inductor computes in place are aliases (``NonOwningLayout``) of the
+    ``cat``'s output, which has storage of its own (the layout classes are pinned here)."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+    from torch._inductor.virtualized import V
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(*xs):
+        return torch.cat([x.sum(0) for x in xs])
+
+    args = [torch.randn(64, 32) for _ in range(10)]
+    seen = {}
+    generate = PythonWrapperCodegen.generate
+
+    def spy(self, *a, **k):
+        seen.update({b.get_name(): _torch_private.buffer_storage(b.get_name()) for b in V.graph.buffers})
+        return generate(self, *a, **k)
+
+    with torch._inductor.config.patch(force_disable_caches=True), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PythonWrapperCodegen, "generate", spy)
+        compiled = _torch_private.inductor_compile(make_fx(f)(*args), args)
+    assert sorted(seen.values()) == ["alias"] * 10 + ["own"]
+    out = compiled(*args)
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, f(*args))

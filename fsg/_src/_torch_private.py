@@ -27,10 +27,10 @@ from fsg._src import decompositions as fsg_decompositions
 
 __all__ = [  # fmt: skip
     "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "HOST_SYNC_OPS", "OpOverload", "REDUCE_SCATTER",
-    "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "core_decompositions",
-    "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional", "fake_mode",
-    "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args", "register_sharding",
-    "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
+    "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
+    "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
+    "fake_mode", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
+    "register_sharding", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
@@ -201,13 +201,8 @@ def trace_fake(
     ``source_lines`` records each node's Python stack in ``node.meta["stack_trace"]`` (for
     errors that name the user's line); it costs about a fifth of the trace."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
-    return make_fx(
-        fn,
-        decomposition_table=table,
-        tracing_mode="fake",
-        _allow_non_fake_inputs=True,
-        record_stack_traces=source_lines,
-    )(*args)
+    options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
+    return make_fx(fn, decomposition_table=table, **options)(*args)
 
 
 def functionalize(
@@ -225,11 +220,9 @@ def functionalize(
         with fx.traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
 
+    functional = torch.func.functionalize(run, remove="mutations")
     return make_fx(
-        torch.func.functionalize(run, remove="mutations"),
-        decomposition_table=decompositions or {},
-        tracing_mode="fake",
-        _allow_non_fake_inputs=True,
+        functional, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=True
     )(*inputs)
 
 
@@ -258,27 +251,42 @@ def inductor_compile(
     """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
     dtypes and strides, without Dynamo re-tracing it (``standalone_compile``, torch 2.8+), its
     on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``)."""
-    return torch._inductor.standalone_compile(
-        gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options
-    )
+    inputs = list(example_inputs)
+    return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs", options=options)
 
 
 @contextlib.contextmanager
 def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
     """Within: each line Inductor's Python wrapper codegen (``PythonWrapperCodegen``) writes
-    is ``rewrite(line, imports)`` first (``imports``: the module's import block, an
-    ``IndentedBuffer``). Not thread-safe: one compile at a time."""
+    is ``rewrite(line, wrapper)`` first (``wrapper``: the codegen writing it; its ``imports``
+    block is an ``IndentedBuffer``). Not thread-safe: one compile at a time."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     original = PythonWrapperCodegen.writeline
-
     PythonWrapperCodegen.writeline = lambda self, line: original(
-        self, rewrite(line, self.imports) if isinstance(line, str) else line
+        self, rewrite(line, self) if isinstance(line, str) else line
     )
     try:
         yield
     finally:
         PythonWrapperCodegen.writeline = original
+
+
+def buffer_storage(name: str, wrapper: Any = None) -> str:
+    """Where Inductor's buffer ``name`` (of the graph whose wrapper is being written) keeps its
+    values: ``"own"``, ``"alias"`` (a slice of another buffer, ``NonOwningLayout``: a ``cat``
+    input computed in place into the ``cat``'s output) or ``"other"`` (e.g. a mutated input).
+    With ``wrapper`` (the wrapper codegen), an alias's allocation (base, then view) is emitted."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    buffer = V.graph.get_buffer(name)
+    layout = None if buffer is None else buffer.get_output_spec()
+    if isinstance(layout, ir.NonOwningLayout):
+        if wrapper is not None:
+            wrapper.codegen_allocation(buffer)
+        return "alias"
+    return "own" if isinstance(layout, (ir.FixedLayout, ir.FlexibleLayout)) else "other"
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fsg
 from fsg._src import _torch_private
 from fsg._src.backend import column_sums as CS
 from fsg._src.kernels import column_sum as K
@@ -38,6 +39,20 @@ def test_column_sum_of_a_view_and_the_fallbacks():
         assert torch.equal(K.column_sum(x), x.sum(dim=0))
 
 
+class _Wrapper:
+    """What the rewrite needs of Inductor's wrapper codegen: its import block."""
+
+    def __init__(self):
+        self.imports = _Imports()
+
+
+@pytest.fixture(autouse=True)
+def _buffers_of_their_own(monkeypatch):
+    """Outside a compile there is no Inductor graph to ask: buffers have storage of their own
+    unless a test says otherwise."""
+    monkeypatch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: "own")
+
+
 class _Imports:
     """What the rewrite needs of Inductor's import buffer: ``getvalue`` and ``writeline``."""
 
@@ -65,16 +80,16 @@ def test_the_final_sum_becomes_a_call_of_the_kernel(buf, ws, idx, n, c, tail):
     tail = tail.replace("C", str(c))
     stride = f"({n}) * ({c})"
     operand = f"{ws}[{idx} * {stride} : ({idx} + 1) * {stride}].view({n}, {c})"
-    imports = _Imports()
+    wrapper = _Wrapper()
     for _ in range(2):
-        assert CS.rewrite(f"{buf} = {operand}.sum(dim=0){tail}", imports) == f"{buf} = fsg_column_sum({operand}){tail}"
-    assert imports.lines == [CS.IMPORT]
+        assert CS.rewrite(f"{buf} = {operand}.sum(dim=0){tail}", wrapper) == f"{buf} = fsg_column_sum({operand}){tail}"
+    assert wrapper.imports.lines == [CS.IMPORT]
 
 
 @pytest.mark.parametrize(
     "line",
     [
-        "buf3 = workspace_0[0 : 8].view(2, 4).amax(dim=0)",  # a max/min reduction: not a sum
+        "buf3 = workspace_0[0 : 8].view(2, 4).amax(dim=0)",  # a max/min reduction into its own buffer
         "buf3 = workspace_0[0 : 8].view(2, 4).sum(dim=1)",
         "buf3 = x.sum(dim=0)",  # not a slice of a workspace
         "extern_kernels.mm(buf1, buf2, out=buf3)",
@@ -82,13 +97,14 @@ def test_the_final_sum_becomes_a_call_of_the_kernel(buf, ws, idx, n, c, tail):
     ],
 )
 def test_other_lines_are_left_alone(line):
-    imports = _Imports()
-    assert CS.rewrite(line, imports) == line and imports.lines == []
+    wrapper = _Wrapper()
+    assert CS.rewrite(line, wrapper) == line and wrapper.imports.lines == []
 
 
 def test_the_context_patches_and_restores(monkeypatch):
     """Inside: the rewrite sits in Inductor's wrapper codegen and the cache-key tag is fsg's
-    (added to a user's own); outside, both are as they were. Disabled: nothing changes."""
+    (added to a user's own); outside, both are as they were. Disabled: the rewrite still
+    corrects the sums' destinations, under a tag of its own."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     original = PythonWrapperCodegen.writeline
@@ -97,9 +113,11 @@ def test_the_context_patches_and_restores(monkeypatch):
             assert PythonWrapperCodegen.writeline is not original
             assert torch.compiler.config.cache_key_tag == f"mine+{CS.CACHE_TAG}"
         assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
-        monkeypatch.setattr(CS, "ENABLED", False)
+        monkeypatch.setattr(CS, "ENABLED", False)  # Inductor's sums, still written into their slices
         with CS.final_sums_as_kernels():
-            assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
+            assert PythonWrapperCodegen.writeline is not original
+            assert torch.compiler.config.cache_key_tag == f"mine+{CS.FIX_TAG}"
+        assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
     assert torch.compiler.config.cache_key_tag == ""
 
 
@@ -110,3 +128,48 @@ def test_wrapper_lines_rewritten_restores_on_error():
     with pytest.raises(RuntimeError), _torch_private.wrapper_lines_rewritten(lambda line, imports: line):
         raise RuntimeError("a failed compile")
     assert PythonWrapperCodegen.writeline is original
+
+
+@given(
+    buf=_NAME, op=st.sampled_from(["sum", "amax", "amin", "prod"]), kernel=st.booleans(),
+    tail=st.sampled_from(["", ".to(torch.bfloat16)", ".view([24])"]),
+)  # fmt: skip
+def test_a_sum_into_a_slice_of_a_cat_is_written_there(buf, op, kernel, tail):
+    """A buffer that is a slice of another (a ``cat`` input computed in place): its slice is
+    allocated first (asked of ``buffer_storage`` with the wrapper) and the result written into
+    it, by the kernel's ``out=`` or ``copy_``; never bound to a new tensor under its name."""
+    asked = []
+    operand = "workspace_0[0 * (4) * (24) : (0 + 1) * (4) * (24)].view(4, 24)"
+    wrapper = _Wrapper()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: asked.append(wrapper) or "alias")
+        patch.setattr(CS, "ENABLED", kernel)
+        got = CS.rewrite(f"  {buf} = {operand}.{op}(dim=0){tail}", wrapper)
+    if kernel and op == "sum":
+        assert got == f"  fsg_column_sum({operand}, out={buf})"
+    else:
+        assert got == f"  {buf}.copy_({operand}.{op}(dim=0){tail})"
+    assert asked == [wrapper]
+
+
+def test_a_sum_into_any_other_foreign_buffer_is_refused(monkeypatch):
+    """A buffer whose storage is neither its own nor a slice (a mutated input): no silent new
+    tensor; an error that names the buffer and the way out."""
+    monkeypatch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: "other")
+    with pytest.raises(fsg.UnsupportedError, match="buf7.*TORCHINDUCTOR_MIX_ORDER_REDUCTION=0"):
+        CS.rewrite("buf7 = workspace_0[0 : 8].view(2, 4).sum(dim=0)", _Wrapper())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_sum_into_out(dtype):
+    """``out=``: a slice of a larger buffer (float32: the kernel writes it; another dtype:
+    converted), nothing outside the slice touched; the wrong size is an error."""
+    x = torch.randn(300, 24)
+    base = torch.full((100,), 7.0, dtype=dtype)
+    out = base[10:34]
+    assert K.column_sum(x, out=out) is out
+    torch.testing.assert_close(out.float(), x.sum(dim=0).to(dtype).float())
+    assert (base[:10] == 7).all() and (base[34:] == 7).all()
+    with pytest.raises(ValueError, match="24 column sums"):
+        K.column_sum(x, out=torch.empty(23))

@@ -14,7 +14,17 @@ While fsg compiles a step, each such wrapper line calls ``kernels/column_sum.py`
 ``column_sum`` instead: one Triton launch, no memset, the rows summed in a fixed order (the
 result is deterministic, as torch's is, but rounds differently, so the tag below keeps these
 compiles apart from others in Inductor's cache). ``ENABLED = False`` turns it off (the A/B:
-``benchmarks/gpt.py --impl fsg-nocolsum``).
+``benchmarks/gpt.py --impl fsg-atensums``).
+
+The rewrite also corrects those lines where Inductor's are wrong (torch 2.11 and 2.13, found on
+two GPUs, 2026-12-04): the line binds the sum to the buffer's name, a new tensor, even when the
+buffer is a slice of another's storage (``NonOwningLayout``: a ``cat`` input Inductor computes
+in place into the ``cat``'s output, as it does with the gradient buckets of a data-parallel
+step). The sum never reached the ``cat``, which kept uninitialized memory there: every layer
+norm's weight and bias gradient of a data-parallel GPT step was wrong. Here such a line
+allocates the slice first and writes the sum into it, whether ``ENABLED`` or not; a buffer of
+any other foreign layout (a mutated input) raises ``UnsupportedError`` rather than compile a
+step that computes something else.
 """
 
 from __future__ import annotations
@@ -25,34 +35,51 @@ import re
 import torch
 
 from fsg._src import _torch_private
+from fsg._src.errors import UnsupportedError
 
 ENABLED = True
-CACHE_TAG = "fsg.column_sum.v1"
+CACHE_TAG = "fsg.column_sum.v2"  # v2: final sums written into their slice (compiles before it are not reused)
+FIX_TAG = "fsg.final_sums_in_place.v1"  # ENABLED off: Inductor's sums, with the slices fixed
 IMPORT = "from fsg._src.kernels.column_sum import column_sum as fsg_column_sum"
-# ``buf = workspace_0[a : b].view(n, C).sum(dim=0)``, then torch 2.13's ``.view([C])`` and a
-# ``.to(dtype)`` where the sum's buffer is not float32
-_FINAL_SUM = re.compile(r"^(\s*)(\w+) = (\w+\[[^\]]*\]\.view\(.*?\))\.sum\(dim=0\)(.*)$")
+# ``buf = workspace_0[a : b].view(n, C).sum(dim=0)`` (or ``amax``/``amin``/``prod``), then torch
+# 2.13's ``.view([C])`` and a ``.to(dtype)`` where the buffer is not float32
+_FINAL = re.compile(r"^(\s*)(\w+) = (\w+\[[^\]]*\]\.view\(.*?\))\.(sum|amax|amin|prod)\(dim=0\)(.*)$")
 
 
-def rewrite(line: str, imports) -> str:
-    """``line`` with a mix-order reduction's final ``.sum(dim=0)`` as ``fsg_column_sum(...)``
-    (the import added to ``imports`` once); any other line as it is."""
-    m = _FINAL_SUM.match(line)
+def rewrite(line: str, wrapper) -> str:
+    """``line`` with a mix-order reduction's final reduction corrected (written into the
+    buffer's slice when the buffer is one) and, when ``ENABLED``, a final ``.sum(dim=0)`` as
+    ``fsg_column_sum(...)`` (its import added to ``wrapper.imports`` once); any other line as
+    it is. Raises ``UnsupportedError`` for a buffer of another foreign layout."""
+    m = _FINAL.match(line)
     if m is None:
         return line
-    if IMPORT not in imports.getvalue():
-        imports.writeline(IMPORT)
-    return f"{m[1]}{m[2]} = fsg_column_sum({m[3]}){m[4]}"
+    indent, name, partials, op, tail = m.groups()
+    storage = _torch_private.buffer_storage(name, wrapper)  # an alias's slice is allocated here
+    if storage == "other":
+        raise UnsupportedError(
+            f"Inductor's mix-order reduction would bind its result {name} to a new tensor, but {name} "
+            f"writes into another buffer (a mutated input): the step would compute something else. "
+            f"Compile with TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 and report this graph to fsg"
+        )
+    in_place = storage == "alias"
+    if ENABLED and op == "sum":
+        if IMPORT not in wrapper.imports.getvalue():
+            wrapper.imports.writeline(IMPORT)
+        if in_place:
+            return f"{indent}fsg_column_sum({partials}, out={name})"
+        return f"{indent}{name} = fsg_column_sum({partials}){tail}"
+    if in_place:
+        return f"{indent}{name}.copy_({partials}.{op}(dim=0){tail})"
+    return line
 
 
 @contextlib.contextmanager
 def final_sums_as_kernels():
-    """Within (when ``ENABLED``): Inductor compiles with ``rewrite`` applied to its wrapper
-    code, under a cache-key tag of its own."""
-    if not ENABLED:
-        yield
-        return
+    """Within: Inductor compiles with ``rewrite`` applied to its wrapper code, under a
+    cache-key tag of its own (``CACHE_TAG``, or ``FIX_TAG`` when not ``ENABLED``)."""
     tag = torch.compiler.config.cache_key_tag
-    tagged = torch.compiler.config.patch(cache_key_tag=f"{tag}+{CACHE_TAG}" if tag else CACHE_TAG)
+    mine = CACHE_TAG if ENABLED else FIX_TAG
+    tagged = torch.compiler.config.patch(cache_key_tag=f"{tag}+{mine}" if tag else mine)
     with tagged, _torch_private.wrapper_lines_rewritten(rewrite):
         yield

@@ -31,15 +31,20 @@ def _column_sum_kernel(x_ptr, out_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     tl.store(out_ptr + cols, tl.sum(acc, axis=0), mask=cols < C)
 
 
-def column_sum(x: torch.Tensor) -> torch.Tensor:
+def column_sum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x.sum(dim=0)`` of a 2-D float32 ``x`` (float32, ``[C]``): one Triton launch on CUDA
     (the rows summed in order, the same on every call); torch's sum elsewhere, and for any
-    other dtype or rank."""
-    if x.dim() != 2 or x.dtype != torch.float32 or x.numel() == 0 or not use_triton(x):
-        return x.sum(dim=0)
+    other dtype or rank. With ``out`` (``C`` elements of any shape and dtype: a slice of a
+    ``cat``'s output), the sums are written there and ``out`` is returned."""
+    if not (x.dim() == 2 and x.dtype == torch.float32 and x.numel() > 0 and use_triton(x)):
+        sums = x.sum(dim=0)
+        return sums if out is None else out.copy_(sums.reshape(out.shape))
     x = x.contiguous()
     R, C = x.shape
-    out = torch.empty(C, dtype=torch.float32, device=x.device)
+    if out is not None and out.numel() != C:
+        raise ValueError(f"column_sum: out has {out.numel()} elements for {C} column sums")
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    result = out if direct else torch.empty(C, dtype=torch.float32, device=x.device)
     block_r = min(MAX_BLOCK_R, triton.next_power_of_2(R))
-    _column_sum_kernel[(triton.cdiv(C, BLOCK_C),)](x, out, R, C, BLOCK_R=block_r, BLOCK_C=BLOCK_C, num_warps=8)
-    return out
+    _column_sum_kernel[(triton.cdiv(C, BLOCK_C),)](x, result, R, C, BLOCK_R=block_r, BLOCK_C=BLOCK_C, num_warps=8)
+    return result if out is None or direct else out.copy_(result.reshape(out.shape))
