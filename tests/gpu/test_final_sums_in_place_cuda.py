@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fsg
 import fsg.sharding
@@ -22,10 +21,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROWS, C = 16384, 768  # a layer norm's backward that Inductor fuses as a mix-order reduction
 
 
-def _norm_grads_into_a_cat(x, w, b, dy, *others):
-    gx, gw, gb = torch.autograd.grad(F.layer_norm(x, (C,), w, b), (x, w, b), dy)
-    # more inputs than Inductor's pointwise cat takes: each is computed into its slice
-    return gx, torch.cat([gw, gb, *(o.reshape(-1) * 2 for o in others)])
+def _norm_grads_into_a_cat(dy, x, mean, rstd, w, b, *others):
+    """A layer norm's backward (its statistics saved by the forward, as in a train step) and
+    its weight and bias gradients in a ``cat`` with more inputs than Inductor's pointwise
+    ``cat`` takes, so that each input is computed into its slice."""
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, [C], mean, rstd, w, b, [True, True, True])
+    return dx, torch.cat([dw, db, *(o.reshape(-1) * 2 for o in others)])
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["fsg-kernel", "inductor-sum"])
@@ -34,16 +35,17 @@ def test_the_sums_land_in_the_cat(monkeypatch, kernel):
 
     monkeypatch.setattr(CS, "ENABLED", kernel)
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(ROWS, C, device="cuda", generator=g, requires_grad=True)
-    w = (torch.randn(C, device="cuda", generator=g) + 1).requires_grad_()
-    b = torch.randn(C, device="cuda", generator=g, requires_grad=True)
-    args = [x, w, b, torch.randn(ROWS, C, device="cuda", generator=g)]
-    args += [torch.randn(64, 96, device="cuda", generator=g) for _ in range(9)]
+    dy, x = (torch.randn(ROWS, C, device="cuda", generator=g) for _ in range(2))
+    w, b = torch.randn(C, device="cuda", generator=g) + 1, torch.randn(C, device="cuda", generator=g)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [C], w, b, 1e-5)
+    args = [dy, x, mean, rstd, w, b, *(torch.randn(64, 96, device="cuda", generator=g) for _ in range(9))]
     torch._dynamo.reset()
     with CS.final_sums_as_kernels(), torch._inductor.config.patch(force_disable_caches=True):
         got, codes = run_and_get_code(torch.compile(_norm_grads_into_a_cat), *args)
     into = re.compile(r"fsg_column_sum\(workspace.*, out=buf\d+\)" if kernel else r"buf\d+\.copy_\(workspace")
-    assert any(into.search(code) for code in codes), "no final sum written into the cat: the test no longer tests the fix"
+    assert any(into.search(code) for code in codes), (
+        "no final sum written into the cat: the test no longer tests the fix"
+    )
     for a, b in zip(got, _norm_grads_into_a_cat(*args)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
 
