@@ -8,6 +8,7 @@
     torchrun --nproc-per-node 8 benchmarks/dp.py --impl fsdp2 --model 1.3b
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --model 355m
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsg --mesh dp=2,tp=2 --sharding fsdp_tp --check
+    torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg --check --share-gpu   # one GPU, gloo
     torchrun --nproc-per-node 4 benchmarks/dp.py --impl fsdp2 --mesh dp=2,tp=2 --model 355m
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsg --sharding fsdp --fp8 tensorwise-gather --model 1.3b
     torchrun --nproc-per-node 2 benchmarks/dp.py --impl fsdp2 --fp8 tensorwise-gather --model 1.3b
@@ -135,6 +136,10 @@ def main() -> None:
         "fsg.testing.assert_sharded_matches_unsharded), e.g. the 2-D mesh on NCCL",
     )  # fmt: skip
     parser.add_argument(
+        "--share-gpu", action="store_true",
+        help="with --check: every rank on GPU 0, joined over gloo (a mesh's GPU code checked where one GPU is lent)",
+    )  # fmt: skip
+    parser.add_argument(
         "--loss", choices=["fused", "logits"], default="fused",
         help="fsg: the model's fused head+loss (linear_cross_entropy, which keeps its kernel on a "
         "mesh) or fsg.nn.cross_entropy on full logits (plain math on a mesh)",
@@ -167,8 +172,15 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # fsg's per-stage timings
-    info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
-    rank, world, dev = info.rank, info.world_size, info.device  # world 1: the one-GPU baselines
+    if args.share_gpu and not (args.check and torch.cuda.is_available()):
+        parser.error("--share-gpu runs --check on a GPU: give --check, on a machine with a GPU")
+    if args.share_gpu:  # gloo moves CUDA tensors through the host: correct, not fast
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+        rank, world, dev = dist.get_rank(), dist.get_world_size(), torch.device("cuda", 0)
+    else:
+        info = fsg.distributed.initialize(backend="gloo" if not torch.cuda.is_available() else None)
+        rank, world, dev = info.rank, info.world_size, info.device  # world 1: the one-GPU baselines
     cuda = dev.type == "cuda"
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
