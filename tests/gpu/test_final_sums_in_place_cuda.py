@@ -3,17 +3,14 @@ GPU). Inductor computes such an input in place into the ``cat``'s output, but it
 codegen bound the final sum to a new tensor, so the ``cat`` kept uninitialized memory: every
 layer norm's weight and bias gradient of a data-parallel GPT step was wrong (torch 2.11 and
 2.13; found on two H200s, 2026-12-04). ``backend/column_sums.py`` writes those sums into their
-slice; these tests hold it to eager's values, with and without fsg's column-sum kernel, and
-rerun the data-parallel check that found it, two ranks over gloo on one GPU."""
+slice; this test holds it to eager's values, with and without fsg's column-sum kernel;
+``test_sharding_cuda.py`` reruns the data-parallel check that found it."""
 
 import re
 
 import pytest
 import torch
 
-import fsg
-import fsg.sharding
-import fsg.testing
 from fsg._src.backend import column_sums as CS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -48,28 +45,3 @@ def test_the_sums_land_in_the_cat(monkeypatch, kernel):
     )
     for a, b in zip(got, _norm_grads_into_a_cat(*args)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
-
-
-def _data_parallel_matches_one_device():
-    from examples.gpt import GPT, GPTConfig
-
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)).to(dev)
-    data = torch.randint(0, 512, (2, 16, 1025), generator=torch.Generator().manual_seed(0))
-    batches = [{"x": d[:, :-1].to(dev), "y": d[:, 1:].to(dev)} for d in data]
-    fsg.testing.assert_sharded_matches_unsharded(
-        lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
-        fsg.params(model), batches, fsg.Mesh({"dp": 2}, device_type="cuda"),
-        optimizer=fsg.optim.adamw(6e-4, eps=1e-3, weight_decay=0.1),
-        param_sharding=fsg.sharding.data_parallel(), batch_sharding=fsg.P("dp"),
-        rtol=1e-4, atol=1e-5, backend="inductor",
-    )  # fmt: skip
-
-
-def test_a_data_parallel_gpt_step_equals_one_device():
-    """``benchmarks/dp.py --impl fsg --check``'s property, two gloo ranks sharing one GPU:
-    8192 rows a rank, so Inductor fuses each layer norm's backward as on two H200s."""
-    with fsg.testing.MultiRank(2, timeout=600) as ranks:
-        ranks.run(_data_parallel_matches_one_device)
