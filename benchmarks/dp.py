@@ -150,6 +150,10 @@ def main() -> None:
         "FSDP2's MixedPrecisionPolicy(reduce_dtype=...)",
     )  # fmt: skip
     parser.add_argument(
+        "--bucket-mb", type=float, default=25.0,
+        help="fsg: the gradient buckets' size cap in MB (compile_step(bucket_mb=...); the A/B of bucket sizes)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-update-on-arrival", action="store_true",
         help="fsg: one fused AdamW after every reduction (A/B of the per-bucket update pass)",
     )  # fmt: skip
@@ -207,6 +211,7 @@ def main() -> None:
             precision=fsg.Policy(compute=torch.bfloat16, reduce=None if args.reduce == "float32" else reduce_dtype,
                                  matmul=FP8[args.fp8]() if args.fp8 else None),  # fmt: skip
             cuda_graph=True if args.impl == "fsg-graph" else None,
+            bucket_mb=args.bucket_mb,
             param_sharding=PRESETS[args.sharding]() if mesh is not None else None,
             batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
         )
@@ -321,6 +326,7 @@ def main() -> None:
             "reduce": args.reduce,
             "fp8": args.fp8,
             "update_on_arrival": not args.no_update_on_arrival,
+            "bucket_mb": args.bucket_mb,
             "sm_carveout": args.sm_carveout,
             "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS"),
             "model": args.model,
