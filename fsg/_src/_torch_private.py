@@ -280,13 +280,13 @@ def buffer_storage(name: str, wrapper: Any = None) -> str:
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
-    buffer = V.graph.get_buffer(name)
+    buffer = V.graph.get_buffer(name)  # None: not a buffer Inductor knows; its line stands as written
     layout = None if buffer is None else buffer.get_output_spec()
     if isinstance(layout, ir.NonOwningLayout):
         if wrapper is not None:
             wrapper.codegen_allocation(buffer)
         return "alias"
-    return "own" if isinstance(layout, (ir.FixedLayout, ir.FlexibleLayout)) else "other"
+    return "own" if layout is None or isinstance(layout, (ir.FixedLayout, ir.FlexibleLayout)) else "other"
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
