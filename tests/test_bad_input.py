@@ -214,6 +214,8 @@ CASES = {
     "unknown process-group backend": Case(lambda t: fsg.distributed.initialize(backend="nccI"), ArgumentError,
                                           ("backend='nccI'", "'gloo'")),
     "MultiRank of 0 ranks": Case(lambda t: fsg.testing.MultiRank(0), ArgumentError, ("MultiRank(world_size)", ">= 1")),
+    "MultiRank on an unknown device": Case(lambda t: fsg.testing.MultiRank(2, device="gpu"), ArgumentError,
+                                           ("MultiRank(device=...)", "'cpu' or 'cuda'")),
 }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 import time
 
 import pytest
+import torch
 
 import fsg.testing
 from tests.dist import harness_workers
@@ -29,3 +30,9 @@ def test_shutdowns_exit_barrier_waits_for_every_rank(ranks):
     assert arrived0 and arrived1 and waited0 > 0.8 and waited1 < waited0
     (arrived, waited), absent = ranks(2).run(harness_workers.exit_barrier_times_out_without_the_peer)
     assert not arrived and 0.5 <= waited < 5 and absent is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without a GPU")
+def test_a_cuda_pool_without_a_gpu_is_refused_before_any_rank_starts():
+    with pytest.raises(fsg.ArgumentError, match=r"MultiRank\(device=...\).*skip the test without CUDA"):
+        fsg.testing.MultiRank(2, device="cuda")

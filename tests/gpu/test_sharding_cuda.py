@@ -1,5 +1,5 @@
 """Each sharding preset's GPT step equals the one-device step on CUDA (skipped without a GPU):
-the ranks share GPU 0 and meet over gloo, so a machine with one GPU checks the CUDA code of a
+the ranks share GPU 0 and meet over gloo (``MultiRank(device="cuda")``), so one GPU checks the CUDA code of a
 mesh (Inductor's GPU kernels, fsg's Triton kernels, the passes' placement around collectives).
 Such a check, on two GPUs over NCCL, found that the data-parallel step's layer-norm gradients
 were uninitialized memory (``backend/column_sums.py``); CPU tests cannot see GPU codegen. Each
@@ -27,8 +27,7 @@ def _matches_one_device(preset: str) -> None:
     from examples.gpt import GPT, GPTConfig
 
     axes, rules, batch_spec = PRESETS[preset]
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cuda", 0)  # the pool set it: MultiRank(device="cuda")
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)).to(dev)
     rows = 8 * axes.get("dp", 1)
@@ -36,7 +35,7 @@ def _matches_one_device(preset: str) -> None:
     batches = [{"x": d[:, :-1].to(dev), "y": d[:, 1:].to(dev)} for d in data]
     fsg.testing.assert_sharded_matches_unsharded(
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
-        fsg.params(model), batches, fsg.Mesh(axes, device_type="cuda"),
+        fsg.params(model), batches, fsg.testing.mesh(axes, device_type="cuda"),
         optimizer=fsg.optim.adamw(6e-4, eps=1e-3, weight_decay=0.1),  # eps: see benchmarks/dp.py's check
         param_sharding=rules(), batch_sharding=fsg.P(*batch_spec), rtol=1e-4, atol=1e-5, backend="inductor",
     )  # fmt: skip
@@ -47,5 +46,5 @@ def test_a_sharded_gpt_step_equals_one_device_on_cuda(preset):
     world = 1
     for size in PRESETS[preset][0].values():
         world *= size
-    with fsg.testing.MultiRank(world, timeout=900) as ranks:
+    with fsg.testing.MultiRank(world, timeout=900, device="cuda") as ranks:
         ranks.run(_matches_one_device, preset)

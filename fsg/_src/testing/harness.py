@@ -4,6 +4,9 @@ Starting processes and a process group costs seconds; a property test runs dozen
 ``MultiRank(world_size)`` starts the ranks once; ``run(fn, *args)`` runs ``fn(*args)`` on
 every rank at once and returns the per-rank results (or raises the first rank's error, with
 its traceback). ``fn`` must be importable by name (a module-level function).
+``MultiRank(n, device="cuda")`` puts every rank on GPU 0, still joined over gloo (which moves
+CUDA tensors through the host): one GPU checks the CUDA code of a mesh step (Inductor's GPU
+kernels, fsg's Triton kernels), which CPU ranks never run.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ from fsg._src import checks
 _MESHES: dict[tuple, Any] = {}
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, device: str = "cpu") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
     import torch.distributed as dist
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # before any mesh: DeviceMesh keeps a device already set
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     while True:
@@ -42,16 +49,27 @@ class RankError(AssertionError):
 
 
 class MultiRank:
-    """``world_size`` CPU processes joined in one gloo process group.
+    """``world_size`` processes joined in one gloo process group, on CPU or (``device="cuda"``)
+    all on GPU 0.
 
     Example:
       >>> with fsg.testing.MultiRank(2) as ranks:          # doctest: +SKIP
       ...     ranks.run(my_module.check_sharded_step)       # runs on both ranks
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 300.0):
+    def __init__(self, world_size: int, *, timeout: float = 300.0, device: str = "cpu"):
         checks.integer("MultiRank(world_size)", world_size, low=1, fix="It is the number of ranks to start, e.g. 2")
         checks.real("MultiRank(timeout=...)", timeout, low=0.0, low_open=True, fix="Seconds a run may take")
+        if device not in ("cpu", "cuda"):
+            raise checks.fail("MultiRank(device=...)", "is 'cpu' or 'cuda'", device, "'cuda' puts every rank on GPU 0")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise checks.fail(
+                    "MultiRank(device=...)", "is 'cuda' only where torch sees a GPU", device,
+                    "Use device='cpu' here, or skip the test without CUDA",
+                )  # fmt: skip
         self.world_size = world_size
         self.timeout = timeout
         ctx = mp.get_context("spawn")
@@ -62,7 +80,9 @@ class MultiRank:
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(
-                target=_worker, args=(r, world_size, self._init_file, self._tasks[r], self._results), daemon=True
+                target=_worker,
+                args=(r, world_size, self._init_file, self._tasks[r], self._results, device),
+                daemon=True,
             )
             for r in range(world_size)
         ]
@@ -123,13 +143,14 @@ class MultiRank:
         self.close()
 
 
-def mesh(axes: dict[str, int]):
-    """An ``fsg.Mesh`` for ``axes``, made once per process (device meshes create process
-    groups; a property test asks for the same few meshes many times)."""
+def mesh(axes: dict[str, int], device_type: str = "cpu"):
+    """An ``fsg.Mesh`` for ``axes`` on ``device_type`` (``"cuda"`` in a ``MultiRank(device=
+    "cuda")`` pool), made once per process (device meshes create process groups; a property
+    test asks for the same few meshes many times)."""
     from fsg._src.mesh import Mesh
 
     checks.instance("fsg.testing.mesh(axes)", axes, dict, what="a dict {name: size}", fix="E.g. {'dp': 2}")
-    key = tuple(axes.items())
+    key = (tuple(axes.items()), device_type)
     if key not in _MESHES:
-        _MESHES[key] = Mesh(dict(axes), device_type="cpu")
+        _MESHES[key] = Mesh(dict(axes), device_type=device_type)
     return _MESHES[key]
