@@ -173,3 +173,30 @@ def test_column_sum_into_out(dtype):
     assert (base[:10] == 7).all() and (base[34:] == 7).all()
     with pytest.raises(ValueError, match="24 column sums"):
         K.column_sum(x, out=torch.empty(23))
+
+
+@needs_triton
+@KERNEL
+@given(
+    n=st.integers(1, 40), c=st.integers(1, 40), idx=st.integers(0, 2), op=st.sampled_from(["sum", "amax", "prod"]),
+    kernel=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 99),
+)  # fmt: skip
+def test_the_rewritten_line_fills_the_slice_when_run(n, c, idx, op, kernel, dtype, seed):
+    """The line the rewrite writes for a slice, run as the wrapper would run it (the workspace,
+    the cat's buffer and the slice's alias in scope): the slice holds Inductor's reduction (in
+    the buffer's dtype) and nothing else in the buffer changes."""
+    g = torch.Generator().manual_seed(seed)
+    ws = torch.randn(3 * n * c, generator=g)
+    base = torch.full((c + 10,), 7.0, dtype=dtype)
+    stride = f"({n}) * ({c})"
+    partials = f"workspace_0[{idx} * {stride} : ({idx} + 1) * {stride}].view({n}, {c})"
+    tail = "" if dtype == torch.float32 else ".to(torch.bfloat16)"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: "alias")
+        patch.setattr(CS, "ENABLED", kernel)
+        line = CS.rewrite(f"buf3 = {partials}.{op}(dim=0){tail}", _Wrapper())
+    scope = {"workspace_0": ws, "buf3": base[4 : 4 + c], "fsg_column_sum": K.column_sum, "torch": torch}
+    exec(line, scope)  # noqa: S102 - the wrapper code under test
+    want = getattr(ws[idx * n * c : (idx + 1) * n * c].view(n, c), op)(dim=0).to(dtype)
+    torch.testing.assert_close(base[4 : 4 + c], want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    assert (base[:4] == 7).all() and (base[4 + c :] == 7).all()
