@@ -6,27 +6,24 @@ were uninitialized memory (``backend/column_sums.py``); CPU tests cannot see GPU
 rank holds 8,192 rows of width 768, so Inductor fuses the layer norms' backward as it does for
 GPT-2 124M."""
 
+import math
+
 import pytest
 import torch
 
 import fsg
-import fsg.sharding
 import fsg.testing
+from tests.dist.workers import preset_rules
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-PRESETS = {  # mesh, param rules, batch spec
-    "dp": ({"dp": 2}, lambda: fsg.sharding.data_parallel(), ("dp",)),
-    "fsdp": ({"dp": 2}, lambda: fsg.sharding.fsdp("dp"), ("dp",)),
-    "tp": ({"tp": 2}, lambda: fsg.sharding.tensor_parallel("tp"), ()),
-    "fsdp_tp": ({"dp": 2, "tp": 2}, lambda: fsg.sharding.fsdp_tensor_parallel("dp", "tp"), ("dp",)),
-}
+MESHES = {"dp": {"dp": 2}, "fsdp": {"dp": 2}, "tp": {"tp": 2}, "fsdp_tp": {"dp": 2, "tp": 2}}  # rules: preset_rules
 
 
 def _matches_one_device(preset: str) -> None:
     from examples.gpt import GPT, GPTConfig
 
-    axes, rules, batch_spec = PRESETS[preset]
+    axes = MESHES[preset]
     dev = torch.device("cuda", 0)  # the pool set it: MultiRank(device="cuda")
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)).to(dev)
@@ -37,14 +34,11 @@ def _matches_one_device(preset: str) -> None:
         lambda params, batch: fsg.apply(model, params, batch["x"], batch["y"]),
         fsg.params(model), batches, fsg.testing.mesh(axes, device_type="cuda"),
         optimizer=fsg.optim.adamw(6e-4, eps=1e-3, weight_decay=0.1),  # eps: see benchmarks/dp.py's check
-        param_sharding=rules(), batch_sharding=fsg.P(*batch_spec), rtol=1e-4, atol=1e-5, backend="inductor",
+        param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(), rtol=1e-4, atol=1e-5, backend="inductor",
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", sorted(MESHES))
 def test_a_sharded_gpt_step_equals_one_device_on_cuda(preset):
-    world = 1
-    for size in PRESETS[preset][0].values():
-        world *= size
-    with fsg.testing.MultiRank(world, timeout=900, device="cuda") as ranks:
+    with fsg.testing.MultiRank(math.prod(MESHES[preset].values()), timeout=900, device="cuda") as ranks:
         ranks.run(_matches_one_device, preset)
