@@ -41,3 +41,27 @@ def exit_barrier_times_out_without_the_peer():
     t0 = time.perf_counter()
     arrived = distributed._exit_barrier(timeout_s=0.5)
     return arrived, time.perf_counter() - t0
+
+
+def killed_on_rank_1():
+    """Rank 1's process is killed (as the out-of-memory killer would) while rank 0 waits in a
+    collective for it."""
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def crashes_in_native_code_on_rank_1():
+    """Rank 1 dies of a segmentation fault (a crash in native code) while rank 0 waits."""
+    import ctypes
+
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)

@@ -23,6 +23,28 @@ def test_a_failing_rank_is_reported_while_its_peer_hangs_in_a_collective():
     assert ranks.closed
 
 
+def test_a_rank_whose_process_dies_is_named_with_its_signal_not_only_its_peers_echo():
+    """A killed rank sends no traceback; its peer sees "Connection reset by peer" or hangs. The
+    error leads with the death (the likely cause) and lists the peer's outcome after it."""
+    ranks = fsg.testing.MultiRank(2, timeout=120)
+    t0 = time.perf_counter()
+    with pytest.raises(fsg.testing.RankError) as info:
+        ranks.run(harness_workers.killed_on_rank_1)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed:\nProcessDied: the rank's process was killed by SIGKILL")
+    assert "out-of-memory killer" in message and "the other ranks:\n  rank 0: " in message
+    assert time.perf_counter() - t0 < 60 and ranks.closed
+
+
+def test_a_rank_that_crashes_in_native_code_reports_its_python_stack():
+    ranks = fsg.testing.MultiRank(2, timeout=120)
+    with pytest.raises(fsg.testing.RankError) as info:
+        ranks.run(harness_workers.crashes_in_native_code_on_rank_1)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed:\nProcessDied: the rank's process was killed by SIGSEGV")
+    assert "its stacks when it died (faulthandler)" in message and "crashes_in_native_code_on_rank_1" in message
+
+
 def test_shutdowns_exit_barrier_waits_for_every_rank(ranks):
     """fsg.distributed.shutdown's barrier (through the store, not a collective): the rank that
     arrives first waits for the late one, and gives up after its timeout if a peer never comes."""

@@ -11,10 +11,13 @@ kernels, fsg's Triton kernels), which CPU ranks never run.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -25,6 +28,9 @@ _MESHES: dict[tuple, Any] = {}
 
 def _worker(rank: int, world_size: int, init_file: str, tasks, results, device: str = "cpu") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # a crash in native code (SIGSEGV, SIGABRT, SIGBUS) sends no result: its Python stack goes
+    # to a file the parent reads into the RankError
+    faulthandler.enable(open(_crash_log(init_file, rank), "w"), all_threads=True)  # noqa: SIM115 - open until exit
     import torch
     import torch.distributed as dist
 
@@ -42,6 +48,41 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, device: 
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+
+
+def _crash_log(init_file: str, rank: int) -> str:
+    return f"{init_file}.rank{rank}.crash"
+
+
+def _death(exitcode: int | None, crash_log: str) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        why = " (the out-of-memory killer sends it, among others)" if name == "SIGKILL" else ""
+        message = f"ProcessDied: the rank's process was killed by {name}{why}"
+    else:
+        message = f"ProcessDied: the rank's process exited with code {exitcode}"
+    try:
+        with open(crash_log) as f:
+            stack = f.read().strip()
+    except OSError:
+        stack = ""
+    return message + (f"\nits stacks when it died (faulthandler):\n{stack[-6000:]}" if stack else "")
+
+
+def _report(world_size: int, out: dict, errors: dict[int, str], silent_why: str) -> str:
+    """The first failure in full (a dead process first: the others' errors are often its echo),
+    then one line for each other rank."""
+    silent = {r: f"TimeoutError: {silent_why}" for r in range(world_size) if r not in out and r not in errors}
+    failed = {**errors, **silent}
+    first = min(failed, key=lambda r: (not failed[r].startswith("ProcessDied"), r in silent, r))
+    lines = [f"rank {first} of {world_size} failed:\n{failed[first]}"]
+    for r in sorted(set(range(world_size)) - {first}):
+        state = "finished" if r in out else (failed[r].strip().splitlines() or ["?"])[-1]
+        lines.append(f"  rank {r}: {state}")
+    return "\n".join(lines[:1] + (["the other ranks:"] + lines[1:] if world_size > 1 else []))
 
 
 class RankError(AssertionError):
@@ -98,27 +139,33 @@ class MultiRank:
         """Runs ``fn(*args, **kwargs)`` on every rank; returns the results by rank.
 
         If a rank fails, the others may be stuck in a collective that will never complete:
-        the pool waits a few seconds for them, then is shut down (``closed``) and the first
-        error is raised as ``RankError``. Start a new pool to go on.
+        the pool waits a few seconds for them, then is shut down (``closed``) and a ``RankError``
+        is raised holding every rank's outcome: a rank's traceback, or how a rank's process died
+        (a signal such as SIGKILL from the out-of-memory killer, a crash in native code) — a
+        peer's "Connection reset by peer" is usually that death's echo. Start a new pool to go on.
         """
         if self._closed:
             raise RuntimeError("this MultiRank pool was shut down after a failure; start a new one")
         for q in self._tasks:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
-        errors = []
-        for _ in range(self.world_size):
+        errors: dict[int, str] = {}
+        deadline, grace = time.monotonic() + self.timeout, False
+        while len(out) + len(errors) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, ok, value = self._results.get(timeout=5.0 if errors else self.timeout)
+                rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                if not errors:
-                    errors.append((-1, f"no result within {self.timeout:.0f}s"))
-                break
-            (out.__setitem__(rank, value) if ok else errors.append((rank, value)))
-        if errors:
+                for rank, p in enumerate(self._procs):  # a dead rank sends nothing: say how it died
+                    if rank not in out and rank not in errors and not p.is_alive():
+                        errors[rank] = _death(p.exitcode, _crash_log(self._init_file, rank))
+            else:
+                (out.__setitem__(rank, value) if ok else errors.__setitem__(rank, value))
+            if errors and not grace:  # the rest may be stuck in a collective: seconds, not the timeout
+                grace, deadline = True, min(deadline, time.monotonic() + 5.0)
+        if errors or len(out) < self.world_size:
             self.close(wait=False)
-            rank, message = min(errors)
-            raise RankError(f"rank {rank} of {self.world_size} failed:\n{message}")
+            silent = "still running 5 s after the first failure (likely waiting in a collective for it)"
+            raise RankError(_report(self.world_size, out, errors, silent if grace else f"no result within {self.timeout:.0f}s"))
         return [out[r] for r in range(self.world_size)]
 
     def close(self, *, wait: bool = True) -> None:
@@ -133,8 +180,9 @@ class MultiRank:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        if os.path.exists(self._init_file):
-            os.unlink(self._init_file)
+        for path in [self._init_file] + [_crash_log(self._init_file, r) for r in range(self.world_size)]:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def __enter__(self) -> MultiRank:
         return self
