@@ -65,3 +65,16 @@ def crashes_in_native_code_on_rank_1():
     t = torch.ones(1)
     dist.all_reduce(t)
     return float(t)
+
+
+def killed_once_on_rank_1(flag: str):
+    """The first call kills rank 1's process (and leaves ``flag``); later calls all-reduce."""
+    import os
+    import signal
+
+    if dist.get_rank() == 1 and not os.path.exists(flag):
+        open(flag, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)

@@ -1,6 +1,7 @@
 """The multi-rank harness reports a rank's failure quickly, even if the others hang."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,3 +59,31 @@ def test_shutdowns_exit_barrier_waits_for_every_rank(ranks):
 def test_a_cuda_pool_without_a_gpu_is_refused_before_any_rank_starts():
     with pytest.raises(fsg.ArgumentError, match=r"MultiRank\(device=...\).*skip the test without CUDA"):
         fsg.testing.MultiRank(2, device="cuda")
+
+
+_RERUN_CASES = '''
+from tests.dist import harness_workers
+
+
+def test_dies_once(ranks, tmp_path_factory):
+    flag = tmp_path_factory.getbasetemp() / "died"
+    assert ranks(2).run(harness_workers.killed_once_on_rank_1, str(flag)) == [2.0, 2.0]
+
+
+def test_python_error(ranks):
+    ranks(2).run(harness_workers.fail_on_rank_1)
+'''
+
+
+def test_only_a_rank_process_death_is_rerun_once_on_a_fresh_pool(pytester, monkeypatch):
+    """tests/dist/conftest.py's policy: a dead rank process reruns the test once on a fresh pool
+    (shown as a rerun); a Python error on a rank fails at once."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    pytester.makeconftest((root / "tests" / "dist" / "conftest.py").read_text())
+    pytester.makepyfile(test_cases=_RERUN_CASES)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "rerunfailures", "-rR")
+    out = result.stdout.str()
+    assert "test_cases.py R.F" in out and "RERUN test_cases.py::test_dies_once" in out, out
+    assert "ProcessDied: the rank's process was killed by SIGKILL" in out  # the death's report is kept
+    assert "1 failed, 1 passed, 1 rerun" in out and "rank 1 gives up" in out
