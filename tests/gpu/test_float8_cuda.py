@@ -301,3 +301,49 @@ def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
         assert_fp8_cast(q, g.reshape(q.shape).float(), inv)
         torch.testing.assert_close(inv, inv_ref, rtol=1e-6, atol=0)
         torch.testing.assert_close(colsum, colsum_ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200), (2048, 2048), (5000, 768)])
+def test_layer_norm_fp8_kernel_matches_the_unfused_ops(shape, affine):
+    """``fsg::layer_norm_fp8`` on bf16: ``y`` to aten's layer norm within bf16's rounding (the
+    sums' order differs), the statistics as aten returns them (float32, ``[..., 1]``) to
+    float32 rounding, the FP8 copy the cast of the kernel's own ``y`` with its own scales."""
+    from fsg._src.kernels import layer_norm_fp8 as L
+
+    g_ = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(shape, generator=g_, device="cuda") * 2 + 0.5).bfloat16()
+    N = shape[-1]
+    w, b = ((torch.randn(N, generator=g_, device="cuda") * 0.5 + 1).bfloat16(),
+            (torch.randn(N, generator=g_, device="cuda") * 0.1).bfloat16()) if affine else (None, None)  # fmt: skip
+    y, mean, rstd, q, inv = L.layer_norm_fp8(x, w, b, 1e-5)
+    y_ref, mean_ref, rstd_ref, _, inv_ref = L.layer_norm_fp8_reference(x, w, b, 1e-5)
+    assert (mean.dtype, rstd.dtype, mean.shape) == (mean_ref.dtype, rstd_ref.dtype, mean_ref.shape)
+    torch.testing.assert_close(y, y_ref, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(mean, mean_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rstd, rstd_ref, rtol=1e-4, atol=0)
+    y_MN = y.reshape(q.shape).float()
+    assert_fp8_cast(q, y_MN, inv)
+    torch.testing.assert_close(inv, y_MN.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448, rtol=1e-6, atol=0)
+    torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
+
+
+@needs_fp8
+def test_rowwise_gpt_step_with_fused_layer_norms_equals_the_unfused_step(monkeypatch):
+    """Inductor + graph replay: the step whose layer norms cast their outputs in
+    ``fsg::layer_norm_fp8`` tracks the one where Inductor fuses those casts itself."""
+    from fsg._src.passes import float8_fuse
+
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+    batches = _cuda(_gpt_batches(6))
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", fuse)
+        step, state = _gpt(policy)
+        text = step.lower(state, batches[0]).as_text()
+        assert text.count("fsg.layer_norm_fp8.default(") == (2 * GPT_CFG.n_layer if fuse else 0)
+        runs[fuse] = []
+        for b in batches:
+            state, m = step(state, b)
+            runs[fuse].append(float(m["loss"]))
+    assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs

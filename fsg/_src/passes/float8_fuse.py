@@ -5,6 +5,8 @@ reductions over the tensor.
 - A rowwise operand whose producer is in ``FUSED_PRODUCERS`` (a GELU gradient, a GELU, a
   concatenation of row pieces): the producer, its cast and, where a bias gradient sums the
   tensor, its column sums become one op.
+- A rowwise operand a layer norm produces (with ``FUSE_LAYER_NORMS``): the norm and the cast
+  of its output become one op (``fsg::layer_norm_fp8``), which returns the norm's statistics too.
 - Any other rowwise operand a bias gradient sums (the residual stream's gradient): its cast
   and column sums become one op (``fsg::rowwise_fp8``).
 - With ``FUSE_COLUMN_AMAX`` (off: measured slower, below), either op also returns the
@@ -19,12 +21,13 @@ implementations; the tests compare fused and unfused steps).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 
-from fsg._src.kernels import float8_cast
+from fsg._src.kernels import float8_cast, layer_norm_fp8
 
 aten = torch.ops.aten
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -40,16 +43,23 @@ FUSED_OPS = {
     CAT: torch.ops.fsg.cat_rowwise_fp8.default,
 }
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
+LAYER_NORM, LAYER_NORM_FP8 = aten.native_layer_norm.default, torch.ops.fsg.layer_norm_fp8.default
 # what each op returns, by name (g: the producer's output; colamax: [0] unless asked)
 OUTPUTS = {
     FUSED_OPS[GELU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
     FUSED_OPS[GELU]: ("g", "q", "inv", "colamax"),
     FUSED_OPS[CAT]: ("g", "q", "inv", "colsum", "colamax"),
     ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
+    LAYER_NORM_FP8: ("y", "mean", "rstd", "q", "inv"),
 }
 # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
 FUSE_PRODUCERS = True
 FUSED_PRODUCERS = frozenset(FUSED_OPS)
+# a rowwise operand a layer norm writes: the norm and its cast in one kernel (one read of the
+# norm's input). Off until measured on the H200 (benchmarks/gpt.py's fsg-fp8-row-ln against
+# fsg-fp8-row; RESULTS.md, ninth session: 6.8 ms of Inductor's casts a step at GPT-2 355M, most
+# of them in the layer norms' kernels)
+FUSE_LAYER_NORMS = False
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
 FUSE_COLUMN_SUMS = True
@@ -77,7 +87,9 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     where one applies; leaves it unset otherwise (the generic cast follows)."""
     if dtype != float8_cast.E4M3:
         return
-    if FUSE_PRODUCERS:
+    if FUSE_LAYER_NORMS:
+        fused_layer_norm(q, t, dtype)
+    if FUSE_PRODUCERS and (t, False, dtype) not in q.casts:
         fused_producer(q, t, dtype)
     if (t, False, dtype) not in q.casts and FUSE_COLUMN_SUMS:
         fused_column_sums(q, t, dtype)
@@ -115,6 +127,41 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         read_column_sums(q, rows, out["colsum"])
     if column_amax:
         q.column_amax[out["g"]] = out["colamax"]
+
+
+def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
+    """If ``t`` (its rows flattened to 2-D) is a layer norm's output, normalized over its last
+    dim in half precision: the norm becomes ``fsg::layer_norm_fp8``, whose FP8 copy and inverse
+    scales are ``t``'s cast and whose ``y``, mean and rstd the norm's readers (the norm's
+    backward among them) read instead."""
+    y = t
+    while y.op == "call_function" and y.target in _FLATTENS:
+        y = y.args[0]
+    if not (y.op == "call_function" and y.target is operator.getitem and y.args[1] == 0):
+        return
+    norm = y.args[0]
+    if not (isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target is LAYER_NORM):
+        return
+    if norm.kwargs or len(norm.args) != 5:
+        return
+    x, shape, weight, bias, eps = norm.args
+    x_val, t_val = x.meta["val"], t.meta["val"]
+    N = x_val.shape[-1] if x_val.dim() else None
+    if list(shape) != [N] or x_val.dtype not in layer_norm_fp8.DTYPES or not x_val.is_contiguous():
+        return
+    if t_val.dim() != 2 or t_val.shape[1] != N or not all(isinstance(u.args[1], int) for u in norm.users):
+        return
+    if any(v is not None and (not isinstance(v, fx.Node) or tuple(v.meta["val"].shape) != (N,)) for v in (weight, bias)):
+        return
+    with q.graph.inserting_before(norm):
+        out = outputs(q, q.call(LAYER_NORM_FP8, (x, weight, bias, eps)))
+    for item in list(norm.users):  # getitem 0, 1, 2: y, mean, rstd
+        item.replace_all_uses_with(out[("y", "mean", "rstd")[item.args[1]]])
+        q.graph.erase_node(item)
+    q.graph.erase_node(norm)
+    rows = out["y"] if t is y else t  # a 2-D norm's output is t itself: its readers now read y
+    for key in {(t, False, dtype), (rows, False, dtype)}:
+        q.casts[key], q.scales[key] = out["q"], out["inv"]
 
 
 def fused_args(producer: fx.Node) -> tuple | None:

@@ -1,0 +1,122 @@
+"""A layer norm's forward with the rowwise FP8 cast of its output, in one read of its input:
+the float8 pass's op for a matmul operand that a layer norm produces (``passes/float8_fuse.py``,
+``FUSE_LAYER_NORMS``).
+
+Shape legend: M rows (every leading dim flattened), N the normalized width (the contracted dim
+of the matmul that reads the FP8 copy).
+
+Left to Inductor, the cast is a second row reduction (the amax of the rounded output) fused into
+the layer norm's kernel or after it (RESULTS.md, ninth session: 6.8 ms of casts a step at GPT-2
+355M, most of them in the layer norms' kernels). Here each program normalizes whole rows and
+casts them while they are in registers: it reads ``x`` once and writes ``y``, its FP8 copy, the
+inverse scales and the statistics.
+
+The quantities are the unfused graph's: ``y`` as ``aten.native_layer_norm`` computes it
+(float32 statistics, to rounding: the order of the sums differs), then the row maxima of ``y``
+rounded to its dtype, ``scale = fp8_max / max(amax, eps)``, ``q = saturate(y * scale)``, and
+``_scaled_mm`` takes ``1 / scale`` (``float8_cast.rowwise_fp8_reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
+from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
+from fsg._src.kernels.float8_cast_kernel import tiling
+
+DTYPES = (torch.bfloat16, torch.float16)  # the output dtypes the pass fuses (an FP8 matmul's operand)
+
+
+@triton.jit
+def _layer_norm_fp8_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, q_ptr, inv_ptr, M, N, eps, fp8_max, amax_eps,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``ITERS`` tiles of ``ROWS`` rows a program: statistics in float32, ``y`` stored in its
+    dtype, its rounded values' row maxima, scales and FP8 copy."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < N
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) if HAS_W else None
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) if HAS_B else None
+    for it in range(ITERS):
+        rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        y = xc * rstd[:, None]
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        y = y.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs, y, mask=mask)
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+        tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+        g = tl.where(mask, y.to(tl.float32), 0.0)  # what y's readers see: its rounded values
+        scale = (1.0 / tl.maximum(tl.max(tl.abs(g), axis=1), amax_eps)) * fp8_max
+        tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
+        q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def launch(x_MN, w, b, y_MN, mean_M, rstd_M, q_MN, inv_M, eps: float, t: RowTiling | None = None) -> None:
+    """Writes into the given outputs (``w``, ``b``: ``[N]`` or ``None``). ``q_MN`` is scaled
+    for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32)."""
+    M, N = x_MN.shape
+    t = t or tiling(M, N)
+    _layer_norm_fp8_kernel[(t.programs,)](
+        x_MN, x_MN if w is None else w, x_MN if b is None else b, y_MN, mean_M, rstd_M, q_MN, inv_M, M, N, eps,
+        float(torch.finfo(E4M3).max), EPS, HAS_W=w is not None, HAS_B=b is not None,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+    )  # fmt: skip
+
+
+def layer_norm_fp8_reference(x, weight, bias, eps: float):
+    """``(y, mean, rstd, q_MN, inv_M1)`` in plain torch: the unfused graph's ops."""
+    y, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [x.shape[-1]], weight, bias, eps)
+    q, inv, _, _ = rowwise_fp8_reference(y)
+    return y, mean, rstd, q, inv
+
+
+def _statistics_like(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``aten.native_layer_norm`` gives its mean and rstd for ``x``: ``x``'s on CPU;
+    elsewhere its meta function's (float32 for a half-precision input, as CUDA's kernel)."""
+    if x.device.type == "cpu":
+        return x.dtype
+    meta = torch.empty((1, x.shape[-1]), dtype=x.dtype, device="meta")
+    return torch.ops.aten.native_layer_norm.default(meta, [x.shape[-1]], None, None, 1e-5)[1].dtype
+
+
+@torch.library.custom_op("fsg::layer_norm_fp8", mutates_args=())
+def layer_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten.native_layer_norm(x, [N], weight, bias, eps)`` over the last dim (``y``, and
+    the mean and rstd as it returns them), with the rowwise ``float8_e4m3fn`` copy of ``y``'s
+    ``[M, N]`` rows and their inverse scales ``[M, 1]``."""
+    if not use_triton(x) or x.dtype not in DTYPES:
+        return layer_norm_fp8_reference(x, weight, bias, eps)
+    N = x.shape[-1]
+    x_MN = x.reshape(-1, N).contiguous()
+    M = x_MN.shape[0]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    y_MN, mean, rstd = torch.empty_like(x_MN), torch.empty(M, **f32), torch.empty(M, **f32)
+    q_MN, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
+    w, b = (None if v is None else v.contiguous() for v in (weight, bias))
+    launch(x_MN, w, b, y_MN, mean, rstd, q_MN, inv, eps)
+    stats, stats_dtype = (*x.shape[:-1], 1), _statistics_like(x)
+    return y_MN.reshape(x.shape), mean.reshape(stats).to(stats_dtype), rstd.reshape(stats).to(stats_dtype), q_MN, inv
+
+
+@layer_norm_fp8.register_fake
+def _(x, weight, bias, eps):
+    y, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [x.shape[-1]], weight, bias, eps)
+    M = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    q = torch.empty((M, x.shape[-1]), dtype=E4M3, device=x.device)
+    return y, mean, rstd, q, torch.empty((M, 1), dtype=torch.float32, device=x.device)
