@@ -7,8 +7,8 @@ code for the same unfused ops, and a sweep of their tilings, in one run on one G
 Each case is one tensor of a GPT-2 step at batch 16 x 1024 (M = 16,384 token rows) under
 ``Float8(recipe="rowwise")``: the MLP's GELU gradient (``gelu_backward_fp8``), its activation
 (``gelu_fp8``), the qkv gradient ``cat([dq, dk, dv])`` whose pieces come out of attention's
-backward as transposed heads (``cat_rowwise_fp8``), and a residual-stream gradient
-(``rowwise_fp8``). "Inductor" is ``torch.compile`` of the reference (the ops the float8 pass
+backward as transposed heads (``cat_rowwise_fp8``), a residual-stream gradient
+(``rowwise_fp8``), and a layer norm's output (``layer_norm_fp8``: the norm and its cast). "Inductor" is ``torch.compile`` of the reference (the ops the float8 pass
 emits when nothing is fused). GB/s counts the bytes each must move (inputs read once, outputs
 written once), against a device-to-device copy of 1 GiB in the same run. Times are medians of
 ``triton.testing.do_bench`` (CUDA events).
@@ -25,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from fsg._src.kernels import float8_cast as K
+from fsg._src.kernels import layer_norm_fp8 as LN
 from fsg._src.kernels._common import RowTiling
 
 M = 16384
@@ -61,10 +62,19 @@ def _cases(widths: dict[str, int]):
                (pieces,), M * 3 * C * (2 + 2 + f8), "cat")  # fmt: skip
         yield (f"{model} residual gradient [{M}, {C}]", K.rowwise_fp8, K.rowwise_fp8_reference,
                (x,), M * C * (2 + f8) + M * f32, "identity")  # fmt: skip
+        w, b = randn(C, scale=0.5) + 1, randn(C, scale=0.1)
+        yield (f"{model} layer norm [{M}, {C}]: y, its FP8 copy, statistics", LN.layer_norm_fp8,
+               LN.layer_norm_fp8_reference, (x, w, b, 1e-5), M * C * (2 + 2 + f8) + 3 * M * f32, "layer_norm")  # fmt: skip
 
 
 def _launcher(kind: str, args, t: RowTiling):
     """A launch of the kernel alone with tiling ``t`` (outputs allocated once)."""
+    if kind == "layer_norm":
+        x, w, b, eps = args
+        f32 = {"dtype": torch.float32, "device": "cuda"}
+        outs = (torch.empty_like(x), torch.empty(x.shape[0], **f32), torch.empty(x.shape[0], **f32),
+                torch.empty(x.shape, dtype=K.E4M3, device="cuda"), torch.empty((x.shape[0], 1), **f32))  # fmt: skip
+        return lambda: LN.launch(x, w, b, *outs, eps, t)
     if kind == "cat":
         xs = [K._rows_of(p) for p in args[0]]
         producer, h = "identity", None
@@ -119,7 +129,7 @@ def main() -> None:
         xs0 = inputs[0][0] if kind == "cat" else inputs[0]
         C = xs0.shape[-1]
         pieces = 3 if kind == "cat" else 1
-        colsum = not kind.startswith("gelu:")
+        colsum = not kind.startswith(("gelu:", "layer_norm"))
         best = None
         for rows, programs, warps in itertools.product(*(WIDE if args.wide else SWEEP)):
             if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
@@ -143,7 +153,7 @@ def main() -> None:
     # correctness beside the reference, on the timed shapes
     for name, op, ref, inputs, _, _ in _cases({"355M": 1024}):
         out, want = op(*inputs), ref(*inputs)
-        first = 0 if op is K.rowwise_fp8 else 1  # where the FP8 copy is among the outputs
+        first = {K.rowwise_fp8: 0, LN.layer_norm_fp8: 3}.get(op, 1)  # where the FP8 copy is among the outputs
         q, inv, inv_ref = out[first], out[first + 1], want[first + 1]
         rows = (inputs[0] if op is K.rowwise_fp8 else out[0]).reshape(q.shape).float()
         differ = int((q != (rows / inv).clamp(-448, 448).to(K.E4M3)).sum())  # rows * scale vs rows / (1 / scale)

@@ -77,6 +77,9 @@ Implementations (--impl):
   any fsg-fp8 implementation + -fastgi   with Float8(fast_accum=("forward", "grad_input")):
             the grad-input matmuls accumulate in the tensor cores' fast accumulator too;
             + -fastall: the grad-weights too (e.g. fsg-fp8-row-gw-fastgi)
+  any fsg-fp8-row implementation + -ln   with FUSE_LAYER_NORMS on: each layer norm an FP8
+            matmul reads casts its output in its own kernel (fsg::layer_norm_fp8), not
+            Inductor's (e.g. fsg-fp8-row-fastgi-ln; off by default until measured)
 """
 
 from __future__ import annotations
@@ -175,13 +178,13 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     else:
-        from fsg._src.passes import pack_attention_grads
+        from fsg._src.passes import float8_fuse, pack_attention_grads
 
+        float8_fuse.FUSE_LAYER_NORMS = impl.endswith("-ln")
+        impl = impl.removesuffix("-ln")
         pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
         impl = impl.removesuffix("-catgrads")  # the rest of the configuration is the base's
         logits_loss = impl == "fsg-logits"
-        from fsg._src.passes import float8_fuse
-
         float8_fuse.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
         if impl == "fsg-fp8-row-gelubwd":
             float8_fuse.FUSED_PRODUCERS = frozenset({float8_fuse.GELU_BACKWARD})
