@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fsg._src import _torch_private
-from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError
+from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError, UnsupportedError
 
 # The mode ``apply`` runs modules in: None leaves each module's own ``training`` flag.
 _TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fsg_training", default=None)
@@ -26,6 +26,14 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a fake tensor (a traced step's stand-in for data) raises when code asks for its data.
 _NO_DATA = (".numpy()", "data pointer", "tensor subclass")
+# what to do where an op's meta function refuses inputs its eager kernel takes (torch's gaps;
+# tests/models/test_hf_moe.py)
+_META_FIXES = {
+    "aten._grouped_mm": "Its meta function takes bfloat16 operands only, though its CPU kernel runs float32 "
+    "eagerly: train in bfloat16 (precision=fsg.Policy(compute=torch.bfloat16)), or, for a Hugging Face "
+    "mixture of experts, pick an implementation of plain batched matmuls: "
+    "model.set_experts_implementation('batched_mm').",
+}
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,6 +192,12 @@ def _located(exc: Exception, model: nn.Module, fake: bool) -> FsgError | None:
             f"cannot steer Python. Write it with tensor ops (torch.where(cond, a, b) for a branch; "
             f"0-d tensors, not .item() or float(); torch ops, not numpy)."
         )
+    op = _refusing_op(frames) if fake and type(exc) is RuntimeError else None
+    if op in _META_FIXES:  # (elsewhere the meta function's error is the kernel's too: a shape bug, say)
+        return UnsupportedError(
+            f"{where} calls {op} at {line} on inputs its meta function refuses (a step is traced on "
+            f"stand-ins, so torch runs the op's meta function, not its kernel): {str(exc).strip()} {_META_FIXES[op]}"
+        )
     # An fsg error raised inside, or carried as an exception's argument (stage 1's purity
     # diagnosis stops a re-run of the loss that way): say which submodule it came from.
     for error in (exc, *exc.args):
@@ -191,6 +205,17 @@ def _located(exc: Exception, model: nn.Module, fake: bool) -> FsgError | None:
             if " (in module " not in error.args[0]:
                 error.args = (f"{error.args[0]} (in module {where})", *error.args[1:])
             break
+    return None
+
+
+def _refusing_op(frames: list) -> str | None:
+    """``'aten._grouped_mm'``: the op whose fake (meta) dispatch raised, innermost first, or
+    None where the error came from elsewhere."""
+    for frame, _ in reversed(frames):
+        func, code = frame.f_locals.get("func"), frame.f_code
+        in_fake_dispatch = "fake_tensor" in code.co_filename or "meta" in code.co_name
+        if isinstance(func, _torch_private.OpOverload) and code.co_filename.startswith(_TORCH_DIR) and in_fake_dispatch:
+            return f"{func.namespace}.{func._opname}"
     return None
 
 
