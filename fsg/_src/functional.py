@@ -19,6 +19,7 @@ from torch import nn
 
 from fsg._src import _torch_private
 from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError, UnsupportedError
+from fsg._src.trace import frozen
 
 # The mode ``apply`` runs modules in: None leaves each module's own ``training`` flag.
 _TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fsg_training", default=None)
@@ -40,7 +41,8 @@ def params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Returns the parameters of ``model`` as a flat dict of detached tensors.
 
     Tied weights (one ``nn.Parameter`` reachable under several names) are stored once, under
-    the first name ``named_parameters()`` yields; ``apply`` re-ties them.
+    the first name ``named_parameters()`` yields; ``apply`` re-ties them. Frozen parameters
+    (``requires_grad=False``) are included; a compiled step does not train them.
 
     Args:
       model: any ``nn.Module``.
@@ -116,6 +118,7 @@ def apply(
       torch.Size([4, 3])
     """
     _check_names(model, params, buffers)
+    params = frozen.detach(model, params)  # while a step is traced: no gradient to a frozen parameter
     tensors = dict(params) if not buffers else {**params, **buffers}
     with _mode(model, _TRAINING.get()):
         try:

@@ -7,7 +7,8 @@ and Conv1D layers (GPT-2), grouped-query attention, RMSNorm and rotary embedding
 Mistral, Qwen2/3, Gemma/2, Phi-3), partial rotary and parallel blocks (Phi, GPT-NeoX, GPT-J,
 Falcon), ALiBi (Bloom), learned positions (OPT), encoders with masked-LM heads (BERT, RoBERTa,
 DistilBERT), encoder-decoders with relative position buckets (T5) or learned positions (BART),
-and a vision transformer on images (ViT).
+a vision transformer on images (ViT), and frozen parameters (``requires_grad=False``): the
+sinusoidal position tables of Pegasus and of Whisper's audio encoder.
 """
 
 from typing import Callable
@@ -70,11 +71,23 @@ def _families() -> dict[str, tuple[Callable[[], torch.nn.Module], str]]:
         "vit": (lambda: T.ViTForImageClassification(T.ViTConfig(
             hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, intermediate_size=_FF, image_size=32,
             patch_size=8, num_labels=10, **no_dropout)), "image"),  # fmt: skip
+        # frozen parameters (requires_grad=False): the sinusoidal position tables
+        "pegasus": (lambda: T.PegasusForConditionalGeneration(T.PegasusConfig(
+            vocab_size=VOCAB, d_model=_D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=_HEADS,
+            decoder_attention_heads=_HEADS, encoder_ffn_dim=_FF, decoder_ffn_dim=_FF, max_position_embeddings=_POS,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0)), "seq2seq"),  # fmt: skip
+        "whisper": (lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=16, d_model=_D, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=_HEADS, decoder_attention_heads=_HEADS, encoder_ffn_dim=_FF, decoder_ffn_dim=_FF,
+            max_source_positions=16, max_target_positions=_POS, dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)),
+            "audio"),  # fmt: skip
     }
 
 
 KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "gptj",
-         "falcon", "bloom", "opt", "bert", "roberta", "distilbert", "t5", "bart", "vit")  # fmt: skip
+         "falcon", "bloom", "opt", "bert", "roberta", "distilbert", "t5", "bart", "vit", "pegasus", "whisper")  # fmt: skip
 
 
 def make(kind: str) -> torch.nn.Module:
@@ -98,6 +111,10 @@ def batches(n: int, rows: int = 4, kind: str = "gpt2") -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(n):
+        if form == "audio":  # log-mel frames (16 bins x 32 frames: the encoder's 16 positions after its stride-2 conv)
+            out.append({"input_features": torch.randn(rows, 16, 32, generator=g),
+                        "labels": torch.randint(3, VOCAB, (rows, 8), generator=g)})  # fmt: skip
+            continue
         if form == "image":
             out.append({"pixel_values": torch.randn(rows, 3, 32, 32, generator=g),
                         "labels": torch.randint(0, 10, (rows,), generator=g)})  # fmt: skip

@@ -22,7 +22,7 @@ from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import epilogue, markers, purity, random, resilience
+from fsg._src.trace import epilogue, frozen, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
@@ -108,12 +108,12 @@ def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark
         mark = markers.param_use if mark_uses else (lambda p, i: p)
         used = [mark(precision.read_param(p), i) if p.requires_grad else p for i, p in enumerate(inputs)]
         # torch.autocast under Policy(autocast=True); the loss of a linear's logits fused (fused_loss.py)
-        with precision.region(inputs[0].device), fusing or contextlib.nullcontext():
+        with precision.region(inputs[0].device), fusing or contextlib.nullcontext(), frozen.tracking(used) as found:
             loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
         raw = iter(torch.autograd.grad(scaled, differentiable, allow_unused=True) if differentiable else ())
-    return loss, aux, [next(raw) if p.requires_grad else None for p in inputs]
+    return loss, aux, [next(raw) if p.requires_grad else None for p in inputs], found
 
 
 def train_step(
@@ -149,12 +149,13 @@ def train_step(
     # The loss's modules update buffers in place (BatchNorm's running statistics): on copies,
     # which become the new state, so the step's inputs are written only by donation.
     buffers = tree.tree_map(torch.clone, state.buffers)  # trace() drops the copies never written
-    loss, aux, sums = None, {}, [None] * len(inputs)
+    loss, aux, sums, frozen_leaves = None, {}, [None] * len(inputs), set()
     with random.keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
         for mb in micro:  # unrolled: each microbatch's activations die after its backward
-            mb_loss, mb_aux, mb_grads = _loss_and_grads(
+            mb_loss, mb_aux, mb_grads, mb_frozen = _loss_and_grads(
                 loss_fn, inputs, params_def, mb, buffers, precision, mark_uses, scale, fusing
             )
+            frozen_leaves |= mb_frozen
             loss = mb_loss.float() if loss is None else loss + mb_loss.float()
             aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
             sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
@@ -172,6 +173,9 @@ def train_step(
     grads = tree.unflatten(params_def, grad_leaves)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
+    # the module parameters fsg.apply found frozen (requires_grad=False) come back as they were
+    params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves,
+                                    tree.leaf_paths(state.params, "params"))  # fmt: skip
     # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
     grad_norm = sum_squares.global_norm(tree.flatten(grads)[0])
     metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
