@@ -1,6 +1,6 @@
 """Frozen parameters (``requires_grad=False``): a compiled step leaves them, and their optimizer
 state, bit for bit as they were, and trains the rest as eager PyTorch does
-(``fsg/_src/trace/frozen.py``)."""
+(``fsg/_src/frozen.py``)."""
 
 import copy
 import logging

@@ -17,9 +17,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fsg._src import _torch_private
+from fsg._src import _torch_private, frozen
 from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError, UnsupportedError
-from fsg._src.trace import frozen
 
 # The mode ``apply`` runs modules in: None leaves each module's own ``training`` flag.
 _TRAINING: contextvars.ContextVar[bool | None] = contextvars.ContextVar("fsg_training", default=None)

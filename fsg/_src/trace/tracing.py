@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import tree
+from fsg._src import frozen, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import epilogue, frozen, markers, purity, random, resilience
+from fsg._src.trace import epilogue, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
