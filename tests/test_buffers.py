@@ -94,3 +94,22 @@ def test_donation_writes_buffers_in_place_and_unchanged_buffers_are_not_copied(s
     leaves = tree.leaf_paths(new, "state")
     scale = placeholders[leaves.index("state.buffers['scale']")]
     assert scale not in written  # read, never written: no copy
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm1d(4), lambda: nn.BatchNorm1d(4, momentum=None)])
+def test_a_buffer_written_but_not_in_the_state_is_refused_with_the_fix(norm):
+    """BatchNorm in training mode updates its running statistics in place; where its buffers
+    are not in the state, the graph holds them as constants. The step says so, at the user's
+    line, with the fix, instead of torch's internal assert from functionalization."""
+    model = nn.Sequential(nn.Linear(3, 4), norm(), nn.Linear(4, 2))
+    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b["x"]).square().mean(),  # no buffers given
+                            optimizer=fsg.optim.sgd(0.1), backend="eager")  # fmt: skip
+    with pytest.raises(fsg.ImpureLossError) as info:
+        step(step.init(fsg.params(model)), {"x": torch.randn(8, 3)})
+    message = str(info.value)
+    assert "writes in place" in message and "a tensor the step was not given" in message and "test_buffers.py" in message
+    assert "step.init(params, buffers=fsg.buffers(model))" in message and "buffers=buffers" in message
+    model.eval()  # the fix the message names last: in eval mode BatchNorm writes nothing
+    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b["x"]).square().mean(),
+                            optimizer=fsg.optim.sgd(0.1), backend="eager")  # fmt: skip
+    step(step.init(fsg.params(model)), {"x": torch.randn(8, 3)})

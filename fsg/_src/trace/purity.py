@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from fsg._src import _torch_private, tree
+from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError
 from fsg._src.trace import markers
 
@@ -157,6 +157,24 @@ def locate(loss_fn: Callable[..., Any], params: Any, batch: Any, buffers: Any, o
     except Exception:  # best effort
         return None
     return None
+
+
+def constant_write(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node that writes in place into a tensor the step was not given (a module's own
+    tensor, which the graph holds as a constant), or ``None``: torch's functionalization would
+    stop on it with an internal assert."""
+    return next((n for n in gm.graph.nodes if any(t.op == "get_attr" for t in graph_facts.writes(n))), None)
+
+
+def constant_write_error(node: fx.Node, where: str | None) -> ImpureLossError:
+    return ImpureLossError(
+        f"loss_fn writes in place ({node.target}) to a tensor the step was not given, at "
+        f"{where or user_frame_of_node(node)}: a module's own tensor, which the graph holds as a constant, most "
+        f"often a buffer such as BatchNorm's running statistics. Put the module's buffers in the state: "
+        f"step.init(params, buffers=fsg.buffers(model)), take them as loss_fn(params, batch, buffers) and "
+        f"hand them on with fsg.apply(model, params, ..., buffers=buffers) (docs/models.md#buffers); or "
+        f"run that module in eval mode."
+    )
 
 
 def has_host_sync(gm: fx.GraphModule) -> bool:
