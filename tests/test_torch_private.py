@@ -305,3 +305,15 @@ def test_buffer_storage_tells_a_slice_of_a_cat_from_a_buffer_of_its_own():
     assert sorted(seen.values()) == ["alias"] * 10 + ["own"]
     out = compiled(*args)
     torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, f(*args))
+
+
+def test_reparametrize_swaps_tensors_in_until_exit_tied_weights_too():
+    """``torch.func.functional_call``'s context manager, which fsg.apply keeps open through a
+    traced step's backward (fsg/_src/recompute.py)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].weight = model[0].weight  # tied
+    own = model[0].weight
+    new = torch.ones(2, 2)
+    with _torch_private.reparametrize(model, {"0.weight": new}, tie_weights=True, strict=False):
+        assert model[0].weight is new and model[1].weight is new and model[0].bias is not None
+    assert model[0].weight is own and model[1].weight is own

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsg._src import decompositions as fsg_decompositions
@@ -30,7 +31,7 @@ __all__ = [  # fmt: skip
     "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
     "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
     "fake_mode", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
-    "register_sharding", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
+    "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
@@ -84,10 +85,9 @@ def dtensor_has_rule(op: Any) -> bool:
 
 
 def dtensor_index_put_rule_is_positional() -> bool:
-    """Whether DTensor's rule for ``index_put`` is torch 2.11's ``prop_index_put``, which pairs
-    ``values``' dims with ``self``'s from the right as if no dim were indexed: for ``self[ids]
-    += values`` with ``values`` sharded on its rows it shards ``self``'s indexed dim too and
-    indexes each shard with the gathered ids (torch 2.13's single-dim strategy is correct)."""
+    """Whether DTensor's ``index_put`` rule is torch 2.11's ``prop_index_put``, which pairs ``values``'
+    dims with ``self``'s from the right: for ``self[ids] += values`` (rows sharded) it shards ``self``'s
+    indexed dim too and indexes each shard with the gathered ids (torch 2.13's rule is correct)."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     rule = getattr(propagator, "op_strategy_funcs", {}).get(torch.ops.aten.index_put.default)
     return getattr(rule, "__name__", "") == "prop_index_put"
@@ -113,6 +113,12 @@ def all_decompositions() -> dict[Any, Callable[..., Any]]:
     return dict(decomposition_table)
 
 
+# ``torch.func.functional_call``'s context manager: ``module``'s parameters and buffers are the
+# given tensors until exit (fsg.apply keeps it open through a traced step's backward, where
+# activation checkpointing runs module code again); (module, tensors, tie_weights, strict).
+reparametrize = _reparametrize_module
+
+
 # Mutation and aliasing from an op's schema (``Tensor(a!) self`` is written, ``Tensor(a) self ->
 # Tensor(a)`` is a view; ``Tensor(a -> *) self -> Tensor(a)[]`` a list of views, split's). Python
 # targets (``operator.getitem``) and higher-order ops have no schema: no facts.
@@ -133,8 +139,7 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def arg_names(target: Any) -> tuple[str, ...]:
-    """The names of an op's schema arguments, in order (``()`` for a target that is not an
-    ``OpOverload``), to place a node's keyword arguments."""
+    """An op's schema argument names, in order (``()`` for a non-``OpOverload`` target)."""
     if not isinstance(target, OpOverload):
         return ()
     return tuple(a.name for a in target._schema.arguments)
@@ -142,8 +147,7 @@ def arg_names(target: Any) -> tuple[str, ...]:
 
 @functools.cache
 def return_names(target: Any) -> tuple[str, ...]:
-    """The names of an op's schema returns, in order (``""`` for an unnamed one; ``()`` for a
-    target that is not an ``OpOverload``)."""
+    """An op's schema return names, in order (``""`` unnamed; ``()`` for a non-``OpOverload``)."""
     if not isinstance(target, OpOverload):
         return ()
     return tuple(r.name or "" for r in target._schema.returns)
@@ -180,11 +184,9 @@ def aliased_args(target: Any) -> frozenset[int]:
         return frozenset()
     schema = target._schema
     returned = set().union(*(r.alias_info.before_set for r in schema.returns if r.alias_info is not None))
-    return frozenset(
-        i
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and (a.alias_info.before_set & returned or "*" in a.alias_info.after_set)
-    )
+    shared = (i for i, a in enumerate(schema.arguments) if a.alias_info is not None and
+              (a.alias_info.before_set & returned or "*" in a.alias_info.after_set))  # fmt: skip
+    return frozenset(shared)
 
 
 def trace_fake(
@@ -263,9 +265,7 @@ def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     original = PythonWrapperCodegen.writeline
-    PythonWrapperCodegen.writeline = lambda self, line: original(
-        self, rewrite(line, self) if isinstance(line, str) else line
-    )
+    PythonWrapperCodegen.writeline = lambda self, line: original(self, rewrite(line, self) if isinstance(line, str) else line)
     try:
         yield
     finally:

@@ -64,12 +64,13 @@ def detach(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int], names: list[str]) -> tuple[Any, Any]:
+def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int]) -> tuple[Any, Any]:
     """``(params, opt_state)`` with the ``frozen`` param leaves, and their leaves in each
     subtree of the optimizer state shaped like the params (Adam's moments, say), taken from
     ``old``."""
     if not frozen:
         return new
+    names = tree.leaf_paths(old[0], "params")
     log.info("fsg: %d frozen parameter(s) (requires_grad=False) not trained: %s", len(frozen),
              ", ".join(names[i] for i in sorted(frozen)[:8]) + (" ..." if len(frozen) > 8 else ""))  # fmt: skip
     if params_def.num_nodes == 1:  # the params are one tensor: no subtree of the state is "like" it

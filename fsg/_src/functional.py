@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fsg._src import _torch_private, frozen
+from fsg._src import _torch_private, frozen, recompute
 from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError, UnsupportedError
 
 # The mode ``apply`` runs modules in: None leaves each module's own ``training`` flag.
@@ -117,10 +117,12 @@ def apply(
       torch.Size([4, 3])
     """
     _check_names(model, params, buffers)
-    params = frozen.detach(model, params)  # while a step is traced: no gradient to a frozen parameter
+    given, params = params, frozen.detach(model, params)  # while a step is traced: no gradient to a frozen one
     tensors = dict(params) if not buffers else {**params, **buffers}
     with _mode(model, _TRAINING.get()):
         try:
+            if recompute.enter(model, tensors, given):  # a step's trace: swapped in through its backward
+                return model(*args, **kwargs)
             return torch.func.functional_call(model, tensors, args, kwargs, tie_weights=True, strict=False)
         except Exception as exc:
             fake = any(type(t) not in (torch.Tensor, nn.Parameter) for t in tensors.values())

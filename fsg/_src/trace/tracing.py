@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch import fx
 
-from fsg._src import frozen, tree
+from fsg._src import frozen, recompute, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
@@ -102,7 +102,7 @@ def check_accumulation(batch: Any, accum_steps: int) -> None:
 
 
 def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark_uses, scale, fusing):
-    with torch.enable_grad():
+    with torch.enable_grad(), recompute.scope():  # (checkpointed module code reruns in the backward)
         # Mark each read of a parameter: stage 2 gathers data-sharded params there (FSDP),
         # after the cast to the compute dtype, so that gathers move the smaller dtype.
         mark = markers.param_use if mark_uses else (lambda p, i: p)
@@ -112,7 +112,8 @@ def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark
             loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
-        raw = iter(torch.autograd.grad(scaled, differentiable, allow_unused=True) if differentiable else ())
+        with recompute.backward():
+            raw = iter(torch.autograd.grad(scaled, differentiable, allow_unused=True) if differentiable else ())
     return loss, aux, [next(raw) if p.requires_grad else None for p in inputs], found
 
 
@@ -174,8 +175,7 @@ def train_step(
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
     # the module parameters fsg.apply found frozen (requires_grad=False) come back as they were
-    params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves,
-                                    tree.leaf_paths(state.params, "params"))  # fmt: skip
+    params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves)
     # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
     grad_norm = sum_squares.global_norm(tree.flatten(grads)[0])
     metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
