@@ -209,3 +209,31 @@ def test_cuda_graph_true_on_cpu_says_why_not():
     step = fsg.compile_step(mse_loss_fn(model), optimizer=fsg.optim.adamw(1e-3), cuda_graph=True)
     with pytest.raises(fsg.UnsupportedError, match="not a CUDA tensor"):
         step(step.init(fsg.params(model)), regression_batch())
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_layers=2, bidirectional=True), dict(proj_size=3)])
+def test_an_lstm_trains_as_eager_pytorch(options):
+    """nn.LSTM on CPU: torch's decomposition took oneDNN's mkldnn_rnn_layer, whose backward traced
+    on fake tensors got no workspace (a torch error when the step ran); stage 1 traces with
+    oneDNN off (trace/purity.py), and the step equals eager PyTorch's."""
+    import copy
+
+    torch.manual_seed(0)
+    rnn = torch.nn.LSTM(5, 6, batch_first=True, **options)
+    reference = copy.deepcopy(rnn)
+    step = fsg.compile_step(lambda p, b: fsg.apply(rnn, p, b["x"])[0].square().mean(),
+                            optimizer=fsg.optim.sgd(0.1), backend="eager")  # fmt: skip
+    state = step.init(fsg.params(rnn))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(3, 4, 5, generator=g)
+        state, metrics = step(state, {"x": x})
+        opt.zero_grad()
+        loss = reference(x)[0].square().mean()
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-7)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert torch.backends.mkldnn.enabled  # restored after the trace

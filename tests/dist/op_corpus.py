@@ -617,8 +617,13 @@ LAYERS = [
     Case("nn.TransformerEncoderLayer(dropout=0.0)", "layer", _net(lambda s: [("fc", nn.Linear(s.D, s.H)), ("block", nn.TransformerEncoderLayer(s.H, 2, 2 * s.H, dropout=0.0, batch_first=True)), ("mean", _mean_over(1)), ("head", nn.Linear(s.H, s.C))], _seq_x)),
     Case("nn.TransformerEncoderLayer(dropout=0.1) (keyed by state.rng)", "layer", _net(lambda s: [("fc", nn.Linear(s.D, s.H)), ("block", nn.TransformerEncoderLayer(s.H, 2, 2 * s.H, dropout=0.1, batch_first=True)), ("mean", _mean_over(1)), ("head", nn.Linear(s.H, s.C))], _seq_x)),
     Case("nn.GRU(batch_first=True)", "layer", _recurrent(lambda s: nn.GRU(s.D, s.H, batch_first=True))),
-    # nn.LSTM is not here: on CPU its backward is mkldnn_rnn_layer_backward, which the
-    # unsharded step cannot trace (an undefined 'workspace' tensor); the cell unrolled is.
+    # nn.LSTM failed on CPU until 2026-12-04: torch's decomposition took oneDNN's kernel, whose
+    # backward traced on fake tensors gets no workspace; stage 1 now traces with oneDNN off
+    Case("nn.LSTM(batch_first=True)", "layer", _recurrent(lambda s: nn.LSTM(s.D, s.H, batch_first=True))),
+    Case("nn.LSTM(num_layers=2, bidirectional=True)", "layer",
+         _recurrent(lambda s: nn.LSTM(s.D, s.H // 2, num_layers=2, bidirectional=True, batch_first=True))),
+    Case("nn.LSTM(proj_size=2)", "layer", _net(lambda s: [("rnn", nn.LSTM(s.D, s.H, proj_size=2, batch_first=True)),
+         ("last", _Fn(lambda out: out[0][:, -1])), ("head", nn.Linear(2, s.C))], _seq_x)),
     Case("nn.LSTMCell unrolled over T", "layer", _net(lambda s: [("cell", _Unrolled(nn.LSTMCell(s.D, s.H))), ("head", nn.Linear(s.H, s.C))], _seq_x)),
 ]  # fmt: skip
 

@@ -64,12 +64,21 @@ def user_frame_of_node(node: fx.Node) -> str:
 
 def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositions: Any) -> fx.GraphModule:
     """``fn`` traced on fake copies of ``inputs`` (stage 1's train and eval steps), a
-    data-dependent branch reported as a ``HostSyncError`` at the user's line."""
+    data-dependent branch reported as a ``HostSyncError`` at the user's line.
+
+    oneDNN is off while tracing: torch's ``nn.LSTM`` decomposition picks oneDNN's
+    ``mkldnn_rnn_layer`` for a CPU input that needs no gradient even where the weights need
+    one, and traced on fake tensors that kernel's backward gets no workspace (the step then
+    fails: "Expected a proper Tensor but got None ... 'workspace'", torch 2.13). Without it the
+    LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected."""
+    mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
         return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         raise host_sync_error(where, "data-dependent Python control flow") from exc
+    finally:
+        torch.backends.mkldnn.enabled = mkldnn
 
 
 def host_sync_error(where: str, what: str) -> HostSyncError:
