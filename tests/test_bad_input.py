@@ -17,6 +17,7 @@ from tests.helpers import mlp, mse_loss_fn, regression_batch
 
 MODEL = mlp()
 LOSS = mse_loss_fn(MODEL)
+BN = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))  # takes regression_batch()["x"]
 
 
 class Case(NamedTuple):
@@ -213,6 +214,12 @@ CASES = {
     # fsg.distributed and fsg.testing
     "unknown process-group backend": Case(lambda t: fsg.distributed.initialize(backend="nccI"), ArgumentError,
                                           ("backend='nccI'", "'gloo'")),
+    # ops a static graph cannot hold, and modules that write what the step was not given
+    "an op with a data-dependent output shape (F.ctc_loss)": Case(lambda t: first_step(loss_fn=lambda p, b: torch.nn.functional.ctc_loss(
+        fsg.apply(MODEL, p, b["x"]).log_softmax(-1)[:, None], torch.tensor([[1]]), [b["x"].shape[0]], [1])),
+        fsg.UnsupportedError, ("aten._ctc_loss", "output shape", "test_bad_input.py")),
+    "a BatchNorm buffer not in the state": Case(lambda t: first_step(loss_fn=lambda p, b: fsg.apply(BN, p, b["x"]).square().mean(),
+        state=lambda s: s.init(fsg.params(BN))), fsg.ImpureLossError, ("a tensor the step was not given", "fsg.buffers(model)")),
     "MultiRank of 0 ranks": Case(lambda t: fsg.testing.MultiRank(0), ArgumentError, ("MultiRank(world_size)", ">= 1")),
     "MultiRank on an unknown device": Case(lambda t: fsg.testing.MultiRank(2, device="gpu"), ArgumentError,
                                            ("MultiRank(device=...)", "'cpu' or 'cuda'")),

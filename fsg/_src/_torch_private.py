@@ -16,7 +16,7 @@ import torch
 from torch import fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._ops import OpOverload
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsg._src import decompositions as fsg_decompositions
 
 __all__ = [  # fmt: skip
-    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "HOST_SYNC_OPS", "OpOverload", "REDUCE_SCATTER",
+    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "OpOverload",
+    "REDUCE_SCATTER",
     "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
     "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
     "fake_mode", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
@@ -41,6 +42,7 @@ DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
     GuardOnDataDependentSymNode,
 )
 
+DYNAMIC_SHAPE_ERROR = DynamicOutputShapeException  # an op whose output shape tracing cannot know (``.func``)
 # Ops that bring a tensor's value to the host; torch 2.13 records ``.item()`` as this node
 # rather than raising.
 HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
@@ -60,8 +62,7 @@ WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 register_sharding = register_sharding
 
 
-def is_collective(target: Any) -> bool:
-    """Whether an FX node target is one of the functional collectives (or their waits)."""
+def is_collective(target: Any) -> bool:  # a functional collective (or its wait)
     return isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
 
 
@@ -125,8 +126,7 @@ reparametrize = _reparametrize_module
 
 
 def op_name(target: Any) -> str:
-    """``"aten.mm"`` for an ``OpOverload`` (namespace and op, no overload); the Python name of
-    any other target (``"getitem"``)."""
+    """``"aten.mm"`` for an ``OpOverload`` (no overload); any other target's Python name."""
     if isinstance(target, OpOverload):
         return f"{target.namespace}.{target._opname}"
     return getattr(target, "__name__", str(target))

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
-from fsg._src.errors import FsgError, HostSyncError, ImpureLossError
+from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
 from fsg._src.trace import markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -77,6 +77,13 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         raise host_sync_error(where, "data-dependent Python control flow") from exc
+    except _torch_private.DYNAMIC_SHAPE_ERROR as exc:  # (F.ctc_loss, say)
+        op = _torch_private.op_name(getattr(exc, "func", None))
+        raise UnsupportedError(
+            f"loss_fn calls {op} at {user_frame(traceback.extract_tb(exc.__traceback__))}, an op whose output "
+            f"shape torch cannot know without the data, so a compiled step (one static graph) cannot hold it. "
+            f"fsg does not support it yet; compute that loss another way, or outside the compiled step."
+        ) from exc
     finally:
         torch.backends.mkldnn.enabled = mkldnn
 
