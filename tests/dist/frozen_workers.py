@@ -1,0 +1,46 @@
+"""Functions tests/dist/test_frozen.py runs on every rank (importable by name in the workers)."""
+
+from __future__ import annotations
+
+import torch
+
+import fsg
+from tests.dist.workers import preset_rules
+
+
+def frozen_layer_on_a_mesh(axes: dict, preset: str) -> tuple[int, int, bool]:
+    """An MLP with its middle layer frozen, sharded under ``preset``: equal to the unsharded
+    step (AdamW with weight decay), the frozen weight as it was on this rank; returns how many
+    elements the frozen and the all-trainable step's summing collectives move, and whether the
+    frozen weight stayed bit for bit."""
+    counts = []
+    for freeze in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 4))  # fmt: skip
+        model[2].requires_grad_(not freeze)
+        g = torch.Generator().manual_seed(1)
+        batches = [{"x": torch.randn(16, 8, generator=g), "y": torch.randn(16, 4, generator=g)} for _ in range(3)]
+
+        def loss_fn(params, batch, model=model):
+            return ((fsg.apply(model, params, batch["x"]) - batch["y"]) ** 2).mean()
+
+        options = dict(optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), param_sharding=preset_rules(preset),
+                       batch_sharding=fsg.P("dp"))  # fmt: skip
+        mesh = fsg.testing.mesh(axes)
+        fsg.testing.assert_sharded_matches_unsharded(loss_fn, fsg.params(model), batches, mesh, **options)
+        step = fsg.compile_step(loss_fn, mesh, backend="eager", **options)
+        state = step.init(fsg.params(model))
+        summing = (torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.reduce_scatter_tensor.default)
+        nodes = step.lower(state, batches[0]).graph_module.graph.nodes
+        counts.append(sum(n.args[0].meta["val"].numel() for n in nodes if n.target in summing))  # elements summed
+        if freeze:
+            before = state.params["2.weight"].full_tensor() if hasattr(state.params["2.weight"], "full_tensor") else None
+            for batch in batches:
+                state, _ = step(state, batch)
+            after = state.params["2.weight"]
+            kept = torch.equal(
+                after.full_tensor() if hasattr(after, "full_tensor") else after,
+                before if before is not None else model[2].weight.detach(),
+            )
+    return counts[0], counts[1], kept
