@@ -71,3 +71,17 @@ def tiny_gpt_run(rewrite, steps: int = 3, policy=None, **compile_kw):
     with rewrite:
         text, losses, params = gpt_bf16_steps(TINY_GPT, [x] * steps, policy=policy, **compile_kw)
     return text, losses[-1], params
+
+
+def steps_beside_eager(step, state, reference: nn.Module, opt, batches, eager_loss):
+    """Runs the compiled ``step`` and eager PyTorch (``reference`` trained by the torch
+    optimizer ``opt`` on ``eager_loss(reference, batch)``) side by side over ``batches``,
+    holding their losses equal; returns the final state."""
+    for batch in batches:
+        state, metrics = step(state, batch)
+        opt.zero_grad()
+        loss = eager_loss(reference, batch)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    return state

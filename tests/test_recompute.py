@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fsg
+from tests.helpers import steps_beside_eager
 
 
 class _Checkpointed(nn.Module):
@@ -58,13 +59,8 @@ def test_checkpointed_steps_equal_eager_pytorch(depth, width, closure, accum_ste
                             accum_steps=accum_steps, backend="eager")  # fmt: skip
     state = step.init(fsg.params(model))
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
-    for batch in _batches(3, width):
-        state, metrics = step(state, batch)
-        opt.zero_grad()
-        loss = ((reference(batch["x"]) - batch["y"]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    eager_loss = lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean()  # noqa: E731
+    state = steps_beside_eager(step, state, reference, opt, _batches(3, width), eager_loss)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
@@ -81,14 +77,8 @@ def test_a_hugging_face_model_with_gradient_checkpointing_trains_as_eager_pytorc
     state = step.init(fsg.params(model))
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=1e-4)
     g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        ids = torch.randint(0, 64, (2, 16), generator=g)
-        state, metrics = step(state, {"input_ids": ids, "labels": ids})
-        opt.zero_grad()
-        loss = reference(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    batches = [{"input_ids": (ids := torch.randint(0, 64, (2, 16), generator=g)), "labels": ids} for _ in range(3)]
+    state = steps_beside_eager(step, state, reference, opt, batches, lambda m, b: m(**b).loss)
     for name, p in reference.named_parameters():
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-4, msg=name)
 
