@@ -128,3 +128,31 @@ def test_frozen_parameters_under_inductor_and_the_fused_adamw():
     assert torch.equal(states[1].params["2.weight"], model[2].weight.detach())
     for name, value in states[1].params.items():
         torch.testing.assert_close(value, states[0].params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_parameter_the_loss_does_not_reach_is_not_updated_as_in_eager_pytorch(caplog):
+    """An unused head gets no gradient, so torch.optim skips it (``.grad`` is None): no update and
+    no weight decay. The step leaves it bit for bit too, and says so; the rest trains as eager."""
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.unused = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x)))
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    reference = copy.deepcopy(model)
+    step = fsg.compile_step(lambda p, b: ((fsg.apply(model, p, b["x"]) - b["y"]) ** 2).mean(),
+                            optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1), backend="eager")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="fsg"):
+        state = steps_beside_eager(step, step.init(fsg.params(model)), reference,
+                                   torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1),
+                                   _batches(3, 4, 2), _eager_loss)  # fmt: skip
+    assert "2 parameter(s) the loss does not reach not trained: params['unused.bias'], params['unused.weight']" in caplog.text
+    for name, p in reference.named_parameters():
+        if name.startswith("unused"):
+            assert torch.equal(state.params[name], model.get_parameter(name).detach()), name
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)

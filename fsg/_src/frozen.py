@@ -6,7 +6,9 @@ module parameter's ``requires_grad`` (``detach``): where the module reads a froz
 tensor is detached, so no gradient flows to it, and the tracer records its leaf (``tracking``).
 The step then returns those leaves as they came in, with their optimizer state (``keep``):
 bit for bit, whatever the optimizer (weight decay included), as ``torch.optim`` skips a
-parameter without a gradient. Examples in the wild: the sinusoidal position tables of Whisper,
+parameter without a gradient. So it does for a parameter the loss does not reach at all (an
+unused head, a pooler): no gradient, so no update, as in eager PyTorch (where optax would
+still decay it). Examples in the wild: the sinusoidal position tables of Whisper,
 Pegasus or Marian, a backbone frozen for fine-tuning, LoRA's base weights.
 
 The flags are read when the step is traced: changing ``requires_grad`` afterwards needs a new
@@ -64,18 +66,22 @@ def detach(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int]) -> tuple[Any, Any]:
-    """``(params, opt_state)`` with the ``frozen`` param leaves, and their leaves in each
-    subtree of the optimizer state shaped like the params (Adam's moments, say), taken from
-    ``old``."""
-    if not frozen:
+def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int], kept: set[int]) -> tuple[Any, Any]:
+    """``(params, opt_state)`` with the ``kept`` param leaves (the ``frozen`` ones, and those the
+    loss does not reach), and their leaves in each subtree of the optimizer state shaped like
+    the params (Adam's moments, say), taken from ``old``: torch.optim skips a parameter whose
+    ``.grad`` is ``None``, so neither its update nor its weight decay applies."""
+    if not kept:
         return new
     names = tree.leaf_paths(old[0], "params")
-    log.info("fsg: %d frozen parameter(s) (requires_grad=False) not trained: %s", len(frozen),
-             ", ".join(names[i] for i in sorted(frozen)[:8]) + (" ..." if len(frozen) > 8 else ""))  # fmt: skip
+    for what, which in (("frozen parameter(s) (requires_grad=False)", frozen),
+                        ("parameter(s) the loss does not reach", kept - frozen)):  # fmt: skip
+        if which:
+            shown = ", ".join(names[i] for i in sorted(which)[:8]) + (" ..." if len(which) > 8 else "")
+            log.info("fsg: %d %s not trained: %s", len(which), what, shown)
     if params_def.num_nodes == 1:  # the params are one tensor: no subtree of the state is "like" it
         return old[0], new[1]
-    return tuple(_keep_like(n, o, params_def, frozen) for n, o in zip(new, old))
+    return tuple(_keep_like(n, o, params_def, kept) for n, o in zip(new, old))
 
 
 def _keep_like(new: Any, old: Any, params_def: Any, frozen: set[int]) -> Any:

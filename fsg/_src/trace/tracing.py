@@ -166,18 +166,18 @@ def train_step(
         sums = [None if g is None else g / accum_steps for g in sums]
     if scale is not None:  # unscaled before the markers: stage 2 and the fused update see true gradients
         sums = [None if g is None else g / scale.to(g.dtype) for g in sums]
+    kept = frozen_leaves | {i for i, g in enumerate(sums) if g is None}  # frozen, or not reached by the loss
     grad_leaves = []
     for i, (p, g) in enumerate(zip(inputs, sums)):
         g = torch.zeros_like(p) if g is None else g
-        # Mark each gradient: stage 2 constrains it to its parameter's placement (rule 2); a frozen one is zeros
-        grad_leaves.append(markers.grad(g, i) if mark_grads and i not in frozen_leaves else g)
+        # Mark each gradient: stage 2 constrains it to its parameter's placement (rule 2); a kept one is zeros
+        grad_leaves.append(markers.grad(g, i) if mark_grads and i not in kept else g)
     grads = tree.unflatten(params_def, grad_leaves)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = apply_updates(state.params, updates)
-    # the module parameters fsg.apply found frozen (requires_grad=False) come back as they were
-    params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves)
+    params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves, kept)
     # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
-    grad_norm = sum_squares.global_norm([g for i, g in enumerate(grad_leaves) if i not in frozen_leaves] or grad_leaves)
+    grad_norm = sum_squares.global_norm([g for i, g in enumerate(grad_leaves) if i not in kept] or grad_leaves)
     metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
     lr = learning_rate(opt_state)
     if lr is not None:
