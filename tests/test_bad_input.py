@@ -220,6 +220,9 @@ CASES = {
         fsg.UnsupportedError, ("aten._ctc_loss", "output shape", "test_bad_input.py")),
     "a BatchNorm buffer not in the state": Case(lambda t: first_step(loss_fn=lambda p, b: fsg.apply(BN, p, b["x"]).square().mean(),
         state=lambda s: s.init(fsg.params(BN))), fsg.ImpureLossError, ("a tensor the step was not given", "fsg.buffers(model)")),
+    "a module parameter read outside fsg.apply": Case(lambda t: first_step(
+        loss_fn=lambda p, b: 0.1 * MODEL[0].weight.square().sum() + LOSS(p, b)), fsg.ImpureLossError,
+        ("trainable parameter (shape (32, 8)", "not through fsg.apply", "test_bad_input.py", "params[")),
     "MultiRank of 0 ranks": Case(lambda t: fsg.testing.MultiRank(0), ArgumentError, ("MultiRank(world_size)", ">= 1")),
     "MultiRank on an unknown device": Case(lambda t: fsg.testing.MultiRank(2, device="gpu"), ArgumentError,
                                            ("MultiRank(device=...)", "'cpu' or 'cuda'")),

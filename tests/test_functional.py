@@ -58,3 +58,35 @@ def test_buffers_and_apply_with_buffers():
     x = torch.ones(2, 3)
     out = fsg.apply(model, fsg.params(model), x, buffers=shifted)
     assert torch.allclose(out, torch.zeros(2, 3), atol=1e-6)
+
+
+def test_a_penalty_on_the_modules_parameters_after_fsg_apply_trains_them():
+    """While a step is traced, fsg.apply leaves the step's tensors swapped into the module until
+    the backward is traced (fsg/_src/recompute.py), so a penalty that reads ``model.parameters()``
+    after the call sees the step's parameters and trains them, as in eager PyTorch (before, it
+    read the module's initial values as constants; before the call it still would, and that is
+    refused: tests/test_bad_input.py)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+
+    def penalized(m, out):
+        return (out**2).mean() + 0.1 * sum(p.square().sum() for p in m.parameters())
+
+    step = fsg.compile_step(lambda p, b: penalized(model, fsg.apply(model, p, b["x"])), optimizer=fsg.optim.sgd(0.1),
+                            backend="eager")  # fmt: skip
+    state = step.init(fsg.params(model))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=g)
+        state, metrics = step(state, {"x": x})
+        opt.zero_grad()
+        loss = penalized(reference, reference(x))
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

@@ -217,7 +217,7 @@ def test_fused_loss_must_be_a_bool_or_none():
 
 # The families whose head is a bias-free linear read by a float32 cross-entropy (the others:
 # Gemma 2 soft-caps its logits, Phi's, GPT-J's and BART's heads add a bias, the masked LMs'
-# decoders too, ViT classifies with a biased head)
+# decoders too, Pegasus adds its final_logits_bias, ViT classifies with a biased head)
 FUSED_KINDS = {
     "gpt2",
     "llama",
@@ -231,6 +231,7 @@ FUSED_KINDS = {
     "bloom",
     "opt",
     "t5",
+    "whisper",
 }
 
 

@@ -193,6 +193,28 @@ def constant_write_error(node: fx.Node, where: str | None) -> ImpureLossError:
     )
 
 
+def check_constants(gm: fx.GraphModule, locate: Callable[[Any], str | None]) -> None:
+    """Raises for a constant the traced step must not hold: a tensor it writes in place (a
+    module buffer not in the state), or a trainable module parameter the loss read directly
+    rather than through ``fsg.apply`` (its initial value, frozen into the graph, with no
+    gradient: silently untrained). ``locate(op)``: the user's line that first calls ``op``."""
+    written = constant_write(gm)
+    if written is not None:
+        raise constant_write_error(written, locate(written.target))
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if isinstance(value, torch.nn.Parameter) and value.requires_grad:
+            reader = next((u for u in node.users if u.op == "call_function"), None)
+            where = (reader is not None and locate(reader.target)) or "(source line unknown)"
+            raise ImpureLossError(
+                f"loss_fn reads a module's own trainable parameter (shape {tuple(value.shape)}, {value.dtype}) "
+                f"directly, not through fsg.apply, at {where}: a compiled step would hold its initial value as "
+                f"a constant and never train it. Read it from params (params['<its name>'], the keys of "
+                f"fsg.params(model)), or call the module through fsg.apply first; a module meant to stay "
+                f"constant (a teacher) should be frozen: model.requires_grad_(False)."
+            )
+
+
 def has_host_sync(gm: fx.GraphModule) -> bool:
     """Whether the graph reads a tensor's value on the host."""
     return any(n.op == "call_function" and n.target in _torch_private.HOST_SYNC_OPS for n in gm.graph.nodes)

@@ -293,8 +293,8 @@ def trace(
         gm.graph.eliminate_dead_code()
         gm.recompile()
         log.info("fsg: stage 1: %d cross-entropy loss(es) traced fused with their output projection", fusing.rewritten)
-    if (written := purity.constant_write(gm)) is not None:  # a module buffer not in the state, say
-        raise purity.constant_write_error(written, purity.locate(loss_fn, state.params, batch, state.buffers, written.target))
+    # a module buffer written but not in the state, a parameter read outside fsg.apply: refused by name
+    purity.check_constants(gm, lambda op: purity.locate(loss_fn, state.params, batch, state.buffers, op))
     gm = epilogue.functionalize(gm, donate=donate, decompositions=decompositions)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)
