@@ -84,15 +84,15 @@ def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: se
     return tuple(_keep_like(n, o, params_def, kept) for n, o in zip(new, old))
 
 
-def _keep_like(new: Any, old: Any, params_def: Any, frozen: set[int]) -> Any:
+def _keep_like(new: Any, old: Any, params_def: Any, kept: set[int]) -> Any:
     leaves, treedef = tree.flatten(new)
     if treedef == params_def:
         old_leaves, _ = tree.flatten(old)
-        return tree.unflatten(params_def, [o if i in frozen else n for i, (n, o) in enumerate(zip(leaves, old_leaves))])
+        return tree.unflatten(params_def, [o if i in kept else n for i, (n, o) in enumerate(zip(leaves, old_leaves))])
     if isinstance(new, dict):
-        return type(new)((k, _keep_like(v, old[k], params_def, frozen)) for k, v in new.items())
+        return type(new)((k, _keep_like(v, old[k], params_def, kept)) for k, v in new.items())
     if isinstance(new, tuple) and hasattr(new, "_fields"):  # a NamedTuple state
-        return type(new)(*(_keep_like(n, o, params_def, frozen) for n, o in zip(new, old)))
+        return type(new)(*(_keep_like(n, o, params_def, kept) for n, o in zip(new, old)))
     if isinstance(new, (tuple, list)):
-        return type(new)(_keep_like(n, o, params_def, frozen) for n, o in zip(new, old))
+        return type(new)(_keep_like(n, o, params_def, kept) for n, o in zip(new, old))
     return new
