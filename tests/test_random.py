@@ -280,3 +280,27 @@ def test_random_ops_without_a_keyed_version_raise_naming_the_op_and_line(op, mat
     state = step.init({"w": torch.ones(4)})
     with pytest.raises(fsg.UnsupportedError, match=match):
         step(state, torch.ones(4))
+
+
+def test_the_call_count_lives_in_torchs_generator_seeding_repeats_draws_as_torch_does():
+    """The keyed mode counts its calls in torch's CPU generator (restored when it exits): what
+    torch.utils.checkpoint saves and restores around a rerun. So a loss that seeds torch itself
+    draws again what it drew after the same seed (Reformer reseeds to redo its dropout), two
+    seeds give unrelated streams, and the user's generator is untouched afterwards."""
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+
+    def seeded():
+        torch.manual_seed(5)
+        a = torch.rand(1000)
+        b = torch.rand(1000)
+        torch.manual_seed(5)
+        again = torch.rand(1000)
+        torch.manual_seed(6)
+        other = torch.rand(1000)
+        return a, b, again, other
+
+    a, b, again, other = draw(seeded)
+    assert torch.equal(a, again) and not torch.equal(a, b)
+    assert float((a - other).abs().mean()) > 0.1 and float((b - other).abs().mean()) > 0.1  # no shifted copy
+    assert torch.equal(torch.get_rng_state(), before)

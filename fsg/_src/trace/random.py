@@ -119,9 +119,11 @@ class Keyed(_torch_private.TorchDispatchMode):
         if self._step_key is None:  # once per graph, at the first random op (none: no nodes)
             seed, counter = self._rng[0], self._rng[1]
             self._step_key = _mix(_mix(seed ^ _SEED_SALT) + counter * _GAMMA)
-        call = torch.default_generator.initial_seed() + 1
+        # the n-th call after manual_seed(s) is s + n * gamma: n * gamma from the seed 0 set at entry;
+        # a loss that seeds torch itself (Reformer) draws again what it drew after the same seed
+        call = (torch.default_generator.initial_seed() + _GAMMA) % (1 << 64)
         torch.default_generator.manual_seed(call)
-        key = _mix(self._step_key + _signed(call * _GAMMA))
+        key = _mix(self._step_key + _signed(call))
         device = torch.device(device) if device is not None else self._rng.device
         key = key if key.device == device else key.to(device)
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=device)
