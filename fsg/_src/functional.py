@@ -219,7 +219,7 @@ def _refusing_op(frames: list) -> str | None:
         func, code = frame.f_locals.get("func"), frame.f_code
         in_fake_dispatch = "fake_tensor" in code.co_filename or "meta" in code.co_name
         if isinstance(func, _torch_private.OpOverload) and code.co_filename.startswith(_TORCH_DIR) and in_fake_dispatch:
-            return func.name().replace("::", ".")
+            return _torch_private.op_name(func)
     return None
 
 
