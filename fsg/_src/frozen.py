@@ -11,8 +11,8 @@ unused head, a pooler): no gradient, so no update, as in eager PyTorch (where op
 still decay it). Examples in the wild: the sinusoidal position tables of Whisper,
 Pegasus or Marian, a backbone frozen for fine-tuning, LoRA's base weights.
 
-The flags are read when the step is traced: changing ``requires_grad`` afterwards needs a new
-``compile_step``. A parameter the loss reaches other than through ``fsg.apply`` (or through a
+The flags are read when the step is traced, and checked at every call (``watch.py``): after
+``requires_grad_()`` the step is traced again. A parameter the loss reaches other than through ``fsg.apply`` (or through a
 tensor it computed from the params it was given) is trained, as any leaf of the state.
 """
 

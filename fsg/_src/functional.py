@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from fsg._src import _torch_private, frozen, recompute
+from fsg._src import _torch_private, frozen, recompute, watch
 from fsg._src.errors import FsgError, HostSyncError, StructureMismatchError, UnsupportedError
 
 # The mode ``apply`` runs modules in: None leaves each module's own ``training`` flag.
@@ -117,6 +117,7 @@ def apply(
       torch.Size([4, 3])
     """
     _check_names(model, params, buffers)
+    watch.note(model)  # while a step is traced: its modes and requires_grad flags are part of its key
     given, params = params, frozen.detach(model, params)  # while a step is traced: no gradient to a frozen one
     tensors = dict(params) if not buffers else {**params, **buffers}
     with _mode(model, _TRAINING.get()):

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from fsg._src import distributed
-from fsg._src.errors import CudaGraphWarning
+from fsg._src.errors import CudaGraphWarning, UnsupportedError
 from fsg._src.kernels._common import capture_warmup, graph_owns
 
 log = logging.getLogger("fsg")
@@ -52,6 +52,25 @@ distributed.before_shutdown(release_all)
 def can_graph(inputs: list[torch.Tensor]) -> bool:
     """Whether a step on ``inputs`` can be replayed as a CUDA graph: every input on CUDA."""
     return bool(inputs) and all(t.is_cuda for t in inputs)
+
+
+def wanted(cuda_graph: bool | None, *, on_mesh: bool, donate: bool, leaves: list) -> bool:
+    """Whether a compiled step is replayed as a CUDA graph: by default whenever it can be on
+    one device (donated state, everything on CUDA); ``cuda_graph=True`` insists, and also
+    replays a step on a mesh, collectives included (experimental)."""
+    if cuda_graph is False:
+        return False
+    reason = None
+    if on_mesh and cuda_graph is None:
+        # Experimental: replaying NCCL collectives inside a graph works, but is opt-in.
+        reason = "the step runs on a mesh (replay with collectives is opt-in: cuda_graph=True)"
+    elif not donate:
+        reason = "donate=False (replay needs the state in fixed buffers)"
+    elif not can_graph(leaves):
+        reason = "some state or batch leaf is not a CUDA tensor"
+    if cuda_graph and reason is not None:
+        raise UnsupportedError(f"cuda_graph=True, but {reason}; pass cuda_graph=None or False")
+    return reason is None
 
 
 class GraphedStep:

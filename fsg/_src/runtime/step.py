@@ -16,14 +16,13 @@ from typing import Any
 import optree
 import torch
 
-from fsg._src import tree
+from fsg._src import tree, watch
 from fsg._src.backend import cudagraph
 from fsg._src.backend import inductor as backend_lib
 from fsg._src.errors import (
     ArgumentError,
     RecompileError,
     RecompileWarning,
-    UnsupportedError,
 )
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
@@ -110,9 +109,10 @@ class Step:
         self._backend = backend
         self._donate = donate
         self._strict = strict
-        self._cache: dict[Signature, Built] = {}
+        self._cache: dict[tuple[Signature, Any], Built] = {}  # by signature and the modules' flags (watch.py)
+        self._flags = watch.Flags()
         self._structure: tuple[optree.PyTreeSpec, optree.PyTreeSpec] | None = None
-        self._last_signature: Signature | None = None
+        self._last_key: tuple[Signature, Any] | None = None
         self._last_state_leaves: list[torch.Tensor] = []
         self._last_state_specs: tuple[tree.LeafSpec, ...] = ()
 
@@ -197,32 +197,17 @@ class Step:
         signature = Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
         return signature, state_leaves, batch_leaves
 
-    def _graph_replay(self, state: Any, batch: Any) -> bool:
-        """Whether the compiled step is replayed as a CUDA graph: by default whenever it can
-        be on one device (donated state, everything on CUDA); ``cuda_graph=True`` insists, and
-        also replays a step on a mesh, collectives included (experimental)."""
-        if self._cuda_graph is False:
-            return False
-        reason = None
-        if self._mesh is not None and self._cuda_graph is None:
-            # Experimental: replaying NCCL collectives inside a graph works, but is opt-in.
-            reason = "the step runs on a mesh (replay with collectives is opt-in: cuda_graph=True)"
-        elif not self._donate:
-            reason = "donate=False (replay needs the state in fixed buffers)"
-        elif not cudagraph.can_graph([*tree.flatten(state)[0], *tree.flatten(batch)[0]]):
-            reason = "some state or batch leaf is not a CUDA tensor"
-        if self._cuda_graph and reason is not None:
-            raise UnsupportedError(f"cuda_graph=True, but {reason}; pass cuda_graph=None or False")
-        return reason is None
-
-    def _compile(self, signature: Signature, state: Any, batch: Any) -> Built:
-        if self._last_signature is not None:
-            change = describe_change(self._last_signature, signature, state, batch)
-            message = (
-                f"fsg: the step's abstract signature changed ({change}); tracing and compiling "
-                f"it again (compile #{self.num_compiles + 1}). Keep shapes fixed (pad the last "
-                f"batch, or drop it) to avoid recompiles."
-            )
+    def _compile(self, key: tuple[Signature, Any], state: Any, batch: Any) -> Built:
+        signature, flags = key
+        if self._last_key is not None:
+            old, old_flags = self._last_key
+            if old != signature:
+                what = f"the step's abstract signature changed ({describe_change(old, signature, state, batch)})"
+                hint = "Keep shapes fixed (pad the last batch, or drop it) to avoid recompiles."
+            else:  # model.train()/eval(), requires_grad_(): read when a step is traced, as eager reads them
+                what = f"a module flag the step was traced with changed ({self._flags.describe(old_flags, flags)})"
+                hint = "The graph for each setting stays cached: switching back does not trace again."
+            message = f"fsg: {what}; tracing and compiling it again (compile #{self.num_compiles + 1}). {hint}"
             if self._strict:
                 raise RecompileError(
                     message.replace("tracing and compiling it again", "strict=True forbids a recompile")
@@ -233,12 +218,14 @@ class Step:
             placement.batch_placements(
                 batch_leaves, tree.leaf_paths(batch, "batch"), self._batch_sharding, self._declared_mesh
             )
-        built = self._builder.build(state, batch)
+        with watch.recording(self._flags):  # the modules' flags the trace reads: part of the key
+            built = self._builder.build(state, batch)
         fn = backend_lib.compile_graph(built.graph, self._backend)
-        if self._graph_replay(state, batch):
+        leaves = [*tree.flatten(state)[0], *tree.flatten(batch)[0]]
+        if cudagraph.wanted(self._cuda_graph, on_mesh=self._mesh is not None, donate=self._donate, leaves=leaves):
             fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves, strict=bool(self._cuda_graph))
         compiled = built._replace(fn=fn)
-        self._cache[signature] = compiled
+        self._cache[(signature, self._flags.now())] = compiled
         self._structure = (signature.state_def, signature.batch_def)
         return compiled
 
@@ -259,10 +246,12 @@ class Step:
             self._verify_pending = False
             return verify_lib.verify_step(self, state, batch)
         signature, state_leaves, batch_leaves = self._signature(state, batch)
-        compiled = self._cache.get(signature)
+        key = (signature, self._flags.now())  # model.train()/eval() or requires_grad changed: traced again
+        compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(signature, state, batch)
-        self._last_signature = signature
+            compiled = self._compile(key, state, batch)
+            key = (signature, self._flags.now())  # as cached: with the modules the trace ran
+        self._last_key = key
         inputs = [*state_leaves, *batch_leaves]
         if compiled.plan is not None:
             inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
@@ -289,7 +278,7 @@ class Step:
     def lower(self, state: TrainState, batch: Any) -> Lowered:
         """The traced step graph for this state and batch, for inspection (nothing runs)."""
         signature, state_leaves, batch_leaves = self._signature(state, batch)
-        built = self._cache.get(signature) or self._builder.build(state, batch)
+        built = self._cache.get((signature, self._flags.now())) or self._builder.build(state, batch)
         inputs = [*state_leaves, *batch_leaves]
         if built.plan is not None:
             inputs = [t.to_local() for t in state_leaves] + placement.local_batch(
