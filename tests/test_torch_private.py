@@ -18,6 +18,19 @@ def test_trace_fake_records_aten_graph_with_real_constants():
     assert torch.ops.aten.sum.default in targets
 
 
+def test_trace_fake_traces_through_torch_compiled_code():
+    """``torch._dynamo.config.error_on_nested_fx_trace``, patched off in ``trace_fake``: a
+    compiled function is traced as the Python it wraps."""
+    assert torch._dynamo.config.error_on_nested_fx_trace is True  # torch's default, which refuses
+
+    @torch.compile
+    def fn(x):
+        return torch.sin(x) * 2
+
+    gm = _torch_private.trace_fake(fn, torch.randn(3))
+    assert torch.ops.aten.sin.default in [n.target for n in gm.graph.nodes]
+
+
 def test_data_dependent_control_flow_raises_a_known_error():
     def fn(x):
         return x if x.sum() > 0 else -x

@@ -189,22 +189,21 @@ def aliased_args(target: Any) -> frozenset[int]:
     return frozenset(shared)
 
 
-def trace_fake(
-    fn: Callable[..., Any],
-    *args: torch.Tensor,
-    source_lines: bool = False,
-    decompositions: dict[Any, Callable[..., Any]] | None = None,
-) -> torch.fx.GraphModule:
+def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False,
+               decompositions: dict[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:  # fmt: skip
     """Traces ``fn(*args)`` to an aten FX graph on fake tensors. ``decompositions`` maps ops
     to Python functions run in their place while tracing (the graph records what they call);
     fsg's corrections of torch's decompositions and its rewrites of ops whose schemas hide
     writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
     (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
     ``source_lines`` records each node's Python stack in ``node.meta["stack_trace"]`` (for
-    errors that name the user's line); it costs about a fifth of the trace."""
+    errors that name the user's line); it costs about a fifth of the trace. Code compiled with
+    ``torch.compile`` (a decorated helper, a compiled module) is traced as the Python it wraps,
+    as torch does under ``error_on_nested_fx_trace=False``: fsg compiles the whole step."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
-    return make_fx(fn, decomposition_table=table, **options)(*args)
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        return make_fx(fn, decomposition_table=table, **options)(*args)
 
 
 def functionalize(
