@@ -85,9 +85,9 @@ def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: se
 
 
 def _keep_like(new: Any, old: Any, params_def: Any, kept: set[int]) -> Any:
-    leaves, treedef = tree.flatten(new)
+    leaves, treedef = tree.flatten_masked(new)  # a group's state in multi_transform: masked like the params
     if treedef == params_def:
-        old_leaves, _ = tree.flatten(old)
+        old_leaves, _ = tree.flatten_masked(old)
         return tree.unflatten(params_def, [o if i in kept else n for i, (n, o) in enumerate(zip(leaves, old_leaves))])
     if isinstance(new, dict):
         return type(new)((k, _keep_like(v, old[k], params_def, kept)) for k, v in new.items())

@@ -18,6 +18,18 @@ from fsg._src.errors import NonTensorLeafError
 _NONE_IS_LEAF = True
 
 
+class MaskedNode(NamedTuple):
+    """Stands for a leaf left out of a tree, as optax's: a node without leaves. In
+    ``fsg.optim.multi_transform`` each transformation sees the params with the other groups'
+    leaves replaced by it."""
+
+
+def flatten_masked(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` counting each ``MaskedNode`` as a leaf: a tree with some leaves masked
+    has the structure of the whole one."""
+    return optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, MaskedNode), none_is_leaf=_NONE_IS_LEAF)
+
+
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` into its leaves and structure."""
     return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)

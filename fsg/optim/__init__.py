@@ -10,6 +10,8 @@ from fsg._src.optim._base import apply_updates as apply_updates
 from fsg._src.optim._base import chain as chain
 from fsg._src.optim._base import global_norm as global_norm
 from fsg._src.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from fsg._src.optim._multi import multi_transform as multi_transform
+from fsg._src.optim._multi import set_to_zero as set_to_zero
 from fsg._src.optim._schedules import Schedule as Schedule
 from fsg._src.optim._schedules import constant as constant
 from fsg._src.optim._schedules import cosine as cosine
@@ -29,10 +31,12 @@ from fsg._src.optim._transforms import scale_by_learning_rate as scale_by_learni
 from fsg._src.optim._transforms import scale_by_lion as scale_by_lion
 from fsg._src.optim._transforms import scale_by_schedule as scale_by_schedule
 from fsg._src.optim._transforms import trace as trace
+from fsg._src.tree import MaskedNode as MaskedNode
 
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "MaskedNode",
     "Schedule",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
@@ -51,12 +55,14 @@ __all__ = [
     "learning_rate",
     "linear",
     "lion",
+    "multi_transform",
     "piecewise",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_schedule",
+    "set_to_zero",
     "sgd",
     "trace",
     "warmup_cosine",

@@ -44,3 +44,30 @@ def frozen_layer_on_a_mesh(axes: dict, preset: str) -> tuple[int, int, bool]:
                 before if before is not None else model[2].weight.detach(),
             )
     return counts[0], counts[1], kept
+
+
+def param_groups_on_a_mesh(axes: dict, preset: str) -> bool:
+    """An MLP whose weights, biases and head train in three groups (``multi_transform``: AdamW
+    with decay, SGD with momentum, and a frozen group), sharded under ``preset``: equal to the
+    unsharded step; returns whether the frozen group stayed bit for bit on this rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    labels = {"0.weight": "decay", "0.bias": "plain", "2.weight": "frozen", "2.bias": "plain"}
+    optimizer = fsg.optim.multi_transform({"decay": fsg.optim.adamw(1e-2, weight_decay=0.1),
+                                           "plain": fsg.optim.sgd(0.05, momentum=0.9),
+                                           "frozen": fsg.optim.set_to_zero()}, labels)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(16, 8, generator=g), "y": torch.randn(16, 4, generator=g)} for _ in range(3)]
+
+    def loss_fn(params, batch):
+        return ((fsg.apply(model, params, batch["x"]) - batch["y"]) ** 2).mean()
+
+    options = dict(optimizer=optimizer, param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"))
+    mesh = fsg.testing.mesh(axes)
+    fsg.testing.assert_sharded_matches_unsharded(loss_fn, fsg.params(model), batches, mesh, **options)
+    step = fsg.compile_step(loss_fn, mesh, backend="eager", **options)
+    state = step.init(fsg.params(model))
+    for batch in batches:
+        state, _ = step(state, batch)
+    after = state.params["2.weight"]
+    return torch.equal(after.full_tensor() if hasattr(after, "full_tensor") else after, model[2].weight.detach())

@@ -1,5 +1,5 @@
-"""Frozen parameters on a mesh: the sharded step equals the unsharded one, leaves the frozen
-weight as it was, and spends no gradient collective on it."""
+"""Frozen parameters and parameter groups on a mesh: the sharded step equals the unsharded one,
+leaves a frozen weight as it was, and spends no gradient collective on it."""
 
 import pytest
 
@@ -11,3 +11,9 @@ def test_a_frozen_layer_on_a_mesh(ranks, preset):
     for frozen_sums, all_sums, kept in ranks(2).run(frozen_workers.frozen_layer_on_a_mesh, {"dp": 2}, preset):
         assert kept
         assert all_sums - frozen_sums >= 16 * 16  # the frozen weight's gradient is not reduced
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_param_groups_on_a_mesh(ranks, preset):
+    """``fsg.optim.multi_transform`` sharded: equal to the unsharded step, the frozen group kept."""
+    assert all(ranks(2).run(frozen_workers.param_groups_on_a_mesh, {"dp": 2}, preset))

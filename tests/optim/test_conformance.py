@@ -19,6 +19,10 @@ OPTIMIZERS = {
         fsg.optim.clip_by_global_norm(1.0),
         fsg.optim.adamw(fsg.optim.warmup_cosine(0.05, warmup=5, total=200), weight_decay=0.0),
     ),
+    "param_groups": lambda: fsg.optim.multi_transform(
+        {"decay": fsg.optim.adamw(0.05, weight_decay=0.1), "no_decay": fsg.optim.sgd(0.1, momentum=0.5)},
+        lambda p: {k: "decay" if v.ndim >= 2 else "no_decay" for k, v in p.items()},
+    ),
     "scale_by_schedule": lambda: fsg.optim.chain(
         fsg.optim.scale_by_adam(), fsg.optim.scale_by_schedule(fsg.optim.piecewise(-0.05, {100: 0.5}))
     ),

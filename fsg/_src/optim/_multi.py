@@ -1,0 +1,125 @@
+"""Parameter groups: another transformation for each labelled set of parameters.
+
+``multi_transform`` is optax's, and what ``torch.optim``'s param groups are for: a higher
+learning rate for a new head, no weight decay for biases and norms, a frozen group. Each
+transformation sees the params tree with the other groups' leaves replaced by ``MaskedNode()``
+(a node without leaves), so its state holds only its own parameters' moments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping
+
+import torch
+
+from fsg._src import checks, tree
+from fsg._src.errors import ArgumentError
+from fsg._src.optim._base import EmptyState, GradientTransformation, check_transformation
+from fsg._src.tree import MaskedNode
+
+Labels = Any  # a tree of hashable labels shaped like the params, or a function of the params
+
+
+def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param_labels: Labels) -> GradientTransformation:
+    """Applies ``transforms[label]`` to the parameters labelled ``label`` (param groups).
+
+    Args:
+      transforms: one transformation per label, e.g. ``{"decay": adamw(3e-4, weight_decay=0.1),
+        "no_decay": adam(3e-4)}``. A label no parameter carries is allowed (and costs nothing).
+      param_labels: a tree shaped like the params with a label at each leaf, or a function
+        of the params that returns one (called once, by ``init``, and at each ``update``
+        while the step is traced: it must depend only on the tree's structure, names and
+        shapes).
+
+    Returns:
+      A ``GradientTransformation`` whose state is ``{label: that transformation's state}``.
+      Inside, a transformation sees the params and updates with the other groups' leaves
+      replaced by ``fsg.optim.MaskedNode()``: a ``mask=`` function given to one must accept
+      those (or use a group instead of the mask).
+
+    Raises:
+      ArgumentError: a label no transformation has (naming the parameter), or labels not
+        shaped like the params.
+
+    Example:
+      >>> labels = lambda p: {k: "decay" if v.ndim >= 2 else "no_decay" for k, v in p.items()}
+      >>> opt = fsg.optim.multi_transform(
+      ...     {"decay": fsg.optim.adamw(3e-4, weight_decay=0.1), "no_decay": fsg.optim.adam(3e-4)}, labels)
+      >>> state = opt.init({"w": torch.ones(2, 2), "b": torch.zeros(2)})
+      >>> sorted(state)
+      ['decay', 'no_decay']
+    """
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise checks.fail("multi_transform(transforms=...)", "must be a non-empty dict {label: transformation}",
+                          transforms, "e.g. {'decay': fsg.optim.adamw(3e-4), 'no_decay': fsg.optim.adam(3e-4)}")  # fmt: skip
+    for label, t in transforms.items():
+        check_transformation(f"multi_transform(transforms=...)[{label!r}]", t)
+
+    def groups(like: Any) -> tuple[dict[Hashable, Any], list[Hashable]]:
+        """For each label carried: a function giving a tree shaped like ``like`` (params or
+        updates) with that group's leaves and the rest masked."""
+        labels = _labels(param_labels, like, transforms)
+        treedef = tree.flatten(like)[1]
+
+        def masked(t: Any, label: Hashable) -> Any:
+            return tree.unflatten(treedef, [x if lab == label else MaskedNode() for x, lab in zip(tree.flatten(t)[0], labels)])
+
+        return {label: (lambda t, label=label: masked(t, label)) for label in dict.fromkeys(labels)}, labels
+
+    def init(params: Any) -> dict:
+        masks, _ = groups(params)
+        return {label: transforms[label].init(mask(params)) for label, mask in masks.items()}
+
+    def update(updates: Any, state: dict, params: Any = None) -> tuple[Any, dict]:
+        masks, labels = groups(updates)
+        leaves, treedef = tree.flatten(updates)
+        new_state = {}
+        for label, mask in masks.items():  # each group's updates replace its leaves
+            inner, new_state[label] = transforms[label].update(mask(updates), state[label], None if params is None else mask(params))
+            ours = iter(tree.flatten(inner)[0])
+            leaves = [next(ours) if lab == label else x for x, lab in zip(leaves, labels)]
+        return tree.unflatten(treedef, leaves), new_state
+
+    return GradientTransformation(init, update)
+
+
+def _labels(param_labels: Labels, params: Any, transforms: Mapping[Hashable, Any]) -> list[Hashable]:
+    """The label of each leaf of ``params``, in flatten order, checked."""
+    labels = param_labels(params) if callable(param_labels) else param_labels
+    label_leaves, labels_def = tree.flatten(labels)
+    params_def = tree.flatten(params)[1]
+    if labels_def != params_def:
+        want, have = tree.leaf_paths(params, "params"), tree.leaf_paths(labels, "params")
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        detail = f"missing {missing[:5]}, unexpected {extra[:5]}" if missing or extra else f"{labels_def} vs {params_def}"
+        raise ArgumentError(
+            f"multi_transform(param_labels=...): the labels must be a tree shaped like the params, one label per "
+            f"parameter ({detail}). Give a function of the params, e.g. "
+            f"lambda p: {{k: 'decay' if v.ndim >= 2 else 'no_decay' for k, v in p.items()}}"
+        )
+    for path, label in zip(tree.leaf_paths(params, "params"), label_leaves):
+        if label not in transforms:
+            raise ArgumentError(
+                f"multi_transform: {path} is labelled {label!r}, but transforms has no {label!r} (labels: "
+                f"{sorted(map(repr, transforms))}). Add a transformation for it, or label it with one of those"
+            )
+    return label_leaves
+
+
+def set_to_zero() -> GradientTransformation:
+    """Sets every update to zero: the parameters it is given do not move (a frozen group of
+    ``multi_transform``; weight decay included, as it comes from the other transformations).
+
+    Example:
+      >>> opt = fsg.optim.multi_transform({"train": fsg.optim.adam(1e-3), "freeze": fsg.optim.set_to_zero()},
+      ...                                 {"head": "train", "body": "freeze"})
+    """
+
+    def init(params: Any) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        return tree.tree_map(torch.zeros_like, updates), state
+
+    return GradientTransformation(init, update)
+
