@@ -647,6 +647,15 @@ def _hidden_keep(s: Sizes, gen: torch.Generator) -> Batch:
     return {"keep": _lengths_mask(gen, s.B, s.H)}
 
 
+def _complex_rope(h: torch.Tensor, b: Batch) -> torch.Tensor:
+    """Rotary embedding as Meta's Llama and torchtitan write it: pairs of ``h``'s features as
+    complex numbers, rotated by ``polar(1, t * freq)``."""
+    t, pairs = h.shape[1], h.shape[-1] // 2
+    freqs = 1.0 / (10000 ** (torch.arange(pairs, dtype=torch.float32) / pairs))
+    rotation = torch.polar(torch.ones(t, pairs), torch.outer(torch.arange(t, dtype=torch.float32), freqs))
+    return torch.view_as_real(torch.view_as_complex(h.reshape(*h.shape[:-1], pairs, 2)) * rotation).flatten(-2)
+
+
 def _half(s: Sizes) -> int:
     return s.H // 2
 
@@ -831,6 +840,11 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     Case("torch.sort(dim=-1).values", "op", _pointwise(lambda h: torch.sort(h, -1).values), tp=True),
     Case("torch.sort(dim=0, descending=True).values over the batch", "op", _pointwise(lambda h: torch.sort(h, 0, descending=True).values)),
     Case("torch.cdist(h, h) @ h over the batch", "op", _pointwise(lambda h: torch.cdist(h, h) @ h / h.shape[0])),
+    Case("Tensor.scatter_reduce('amax', per-row permutation)", "op", _on_hidden(lambda h, b: torch.zeros_like(h).scatter_reduce(-1, b["idx"], h, "amax", include_self=False), extra=_hidden_perms), tp=True),
+    # Fourier transforms and complex numbers (FNet's token mixing, Llama's complex rotary embedding)
+    Case("torch.fft.rfft(dim=-1).abs()", "op", _on_hidden(lambda h, b: torch.fft.rfft(h, dim=-1).abs(), width=lambda s: s.H // 2 + 1, head="head"), tp=True),
+    Case("torch.fft.fft over H then T, real part (FNet)", "op", _on_hidden(lambda h, b: torch.fft.fft(torch.fft.fft(h, dim=-1), dim=1).real, seq=True), tp=True),
+    Case("view_as_complex(h) * polar(1, angles), view_as_real (complex RoPE)", "op", _on_hidden(_complex_rope, seq=True), tp=True),
 ]  # fmt: skip
 
 
