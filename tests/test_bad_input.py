@@ -37,6 +37,11 @@ def first_step(loss_fn=LOSS, batch=None, state=None, **kwargs):
     return step(state, regression_batch() if batch is None else batch)
 
 
+def _no_grad_loss(params, batch):
+    with torch.no_grad():
+        return LOSS(params, batch)
+
+
 def adamw_state(change: Callable[[fsg.TrainState], fsg.TrainState]):
     def make(_step):
         step = compile_(optimizer=fsg.optim.adamw(1e-3))
@@ -125,6 +130,10 @@ CASES = {
                                ("shape (1,)", "0-d")),
     "loss an integer tensor": Case(lambda t: first_step(loss_fn=lambda p, b: LOSS(p, b).long()), fsg.LossNotScalarError,
                                    ("torch.int64", "floating-point")),
+    "loss computed under torch.no_grad": Case(lambda t: first_step(loss_fn=_no_grad_loss), fsg.LossNotScalarError,
+                                              ("does not depend on any trained parameter", "torch.no_grad()")),
+    "loss detached": Case(lambda t: first_step(loss_fn=lambda p, b: LOSS(p, b).detach()), fsg.LossNotScalarError,
+                          ("no grad_fn", ".detach()")),
     "aux metric not a tensor": Case(lambda t: first_step(loss_fn=with_aux({"acc": 0.5})), fsg.LossNotScalarError,
                                     ("aux metric 'acc'", "float", "tensor")),
     "aux key not a string": Case(lambda t: first_step(loss_fn=with_aux({1: torch.zeros(())})), fsg.LossNotScalarError,

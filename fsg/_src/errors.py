@@ -16,7 +16,8 @@ class NonTensorLeafError(FsgError, TypeError):
 
 
 class LossNotScalarError(FsgError, ValueError):
-    """``loss_fn`` returned something other than a 0-d floating-point tensor."""
+    """``loss_fn`` returned something other than a 0-d floating-point tensor that depends on
+    the trained parameters (or a bad aux dict)."""
 
 
 class ImpureLossError(FsgError):

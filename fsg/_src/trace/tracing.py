@@ -22,7 +22,7 @@ from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import epilogue, markers, purity, random, resilience
+from fsg._src.trace import epilogue, loss_output, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
@@ -37,36 +37,6 @@ class TracedStep(NamedTuple):
     num_state_leaves: int
     metric_names: tuple[str, ...]
     donate: bool
-
-
-def _call_loss(loss_fn: LossFn, params: Any, batch: Any, buffers: Any) -> tuple[torch.Tensor, dict]:
-    out = loss_fn(params, batch, buffers) if buffers else loss_fn(params, batch)
-    loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, {})
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        what = (
-            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
-            if isinstance(loss, torch.Tensor)
-            else f"a {type(loss).__name__}"
-        )
-        raise LossNotScalarError(
-            f"loss_fn must return a 0-d floating-point tensor, or (loss, aux) with aux a dict of "
-            f"tensors; it returned {what}. Reduce the loss with .mean() or .sum()."
-        )
-    if not isinstance(aux, dict):
-        raise LossNotScalarError(
-            f"the aux output of loss_fn must be a dict of tensors (it becomes the step's metrics); "
-            f"got {type(aux).__name__}. Return (loss, {{'name': tensor, ...}})."
-        )
-    for key, value in aux.items():
-        if not isinstance(key, str):
-            raise LossNotScalarError(f"the aux output of loss_fn has the key {key!r}; metric names are strings. Rename it.")
-        if not isinstance(value, torch.Tensor):
-            raise LossNotScalarError(
-                f"the aux metric {key!r} returned by loss_fn is a {type(value).__name__} ({value!r:.40}), but every "
-                f"aux value must be a tensor computed in the step (a Python value would be frozen into the graph). "
-                f"Return it as a tensor (e.g. accuracy.float().mean()), or drop it from aux."
-            )
-    return loss, aux
 
 
 def microbatches(batch: Any, accum_steps: int) -> Iterator[Any]:
@@ -109,7 +79,7 @@ def _loss_and_grads(loss_fn, inputs, params_def, batch, buffers, precision, mark
         used = [mark(precision.read_param(p), i) if p.requires_grad else p for i, p in enumerate(inputs)]
         # torch.autocast under Policy(autocast=True); the loss of a linear's logits fused (fused_loss.py)
         with precision.region(inputs[0].device), fusing or contextlib.nullcontext(), frozen.tracking(used) as found:
-            loss, aux = _call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
+            loss, aux = loss_output.call_loss(loss_fn, tree.unflatten(params_def, used), precision.cast_compute(batch), buffers)
         differentiable = [p for p in inputs if p.requires_grad]
         scaled = loss if scale is None else loss.float() * scale  # float16: the loss scale (resilience.py)
         with recompute.backward():
