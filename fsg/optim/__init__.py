@@ -12,6 +12,9 @@ from fsg._src.optim._base import global_norm as global_norm
 from fsg._src.optim._clipping import clip_by_global_norm as clip_by_global_norm
 from fsg._src.optim._multi import multi_transform as multi_transform
 from fsg._src.optim._multi import set_to_zero as set_to_zero
+from fsg._src.optim._muon import ScaleByMuonState as ScaleByMuonState
+from fsg._src.optim._muon import muon as muon
+from fsg._src.optim._muon import scale_by_muon as scale_by_muon
 from fsg._src.optim._schedules import Schedule as Schedule
 from fsg._src.optim._schedules import constant as constant
 from fsg._src.optim._schedules import cosine as cosine
@@ -41,6 +44,7 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
+    "ScaleByMuonState",
     "ScaleByScheduleState",
     "TraceState",
     "adam",
@@ -56,11 +60,13 @@ __all__ = [
     "linear",
     "lion",
     "multi_transform",
+    "muon",
     "piecewise",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_muon",
     "scale_by_schedule",
     "set_to_zero",
     "sgd",

@@ -46,14 +46,15 @@ def frozen_layer_on_a_mesh(axes: dict, preset: str) -> tuple[int, int, bool]:
     return counts[0], counts[1], kept
 
 
-def param_groups_on_a_mesh(axes: dict, preset: str) -> bool:
-    """An MLP whose weights, biases and head train in three groups (``multi_transform``: AdamW
-    with decay, SGD with momentum, and a frozen group), sharded under ``preset``: equal to the
-    unsharded step; returns whether the frozen group stayed bit for bit on this rank."""
+def param_groups_on_a_mesh(axes: dict, preset: str, muon: str = "adamw") -> bool:
+    """An MLP whose first weight, biases and head train in three groups (``multi_transform``:
+    AdamW with decay or Muon (``muon="muon"``), SGD with momentum, and a frozen group), sharded
+    under ``preset``: equal to the unsharded step; returns whether the frozen group stayed bit
+    for bit on this rank."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    labels = {"0.weight": "decay", "0.bias": "plain", "2.weight": "frozen", "2.bias": "plain"}
-    optimizer = fsg.optim.multi_transform({"decay": fsg.optim.adamw(1e-2, weight_decay=0.1),
+    labels = {"0.weight": muon, "0.bias": "plain", "2.weight": "frozen", "2.bias": "plain"}
+    optimizer = fsg.optim.multi_transform({"muon": fsg.optim.muon(0.02), "adamw": fsg.optim.adamw(1e-2, weight_decay=0.1),
                                            "plain": fsg.optim.sgd(0.05, momentum=0.9),
                                            "frozen": fsg.optim.set_to_zero()}, labels)  # fmt: skip
     g = torch.Generator().manual_seed(1)

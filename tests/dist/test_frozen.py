@@ -13,7 +13,9 @@ def test_a_frozen_layer_on_a_mesh(ranks, preset):
         assert all_sums - frozen_sums >= 16 * 16  # the frozen weight's gradient is not reduced
 
 
+@pytest.mark.parametrize("first", ["adamw", "muon"])
 @pytest.mark.parametrize("preset", ["dp", "fsdp"])
-def test_param_groups_on_a_mesh(ranks, preset):
-    """``fsg.optim.multi_transform`` sharded: equal to the unsharded step, the frozen group kept."""
-    assert all(ranks(2).run(frozen_workers.param_groups_on_a_mesh, {"dp": 2}, preset))
+def test_param_groups_on_a_mesh(ranks, preset, first):
+    """``fsg.optim.multi_transform`` sharded: equal to the unsharded step, the frozen group kept;
+    Muon's orthogonalization of an FSDP-sharded matrix too."""
+    assert all(ranks(2).run(frozen_workers.param_groups_on_a_mesh, {"dp": 2}, preset, first))

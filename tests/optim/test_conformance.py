@@ -23,6 +23,10 @@ OPTIMIZERS = {
         {"decay": fsg.optim.adamw(0.05, weight_decay=0.1), "no_decay": fsg.optim.sgd(0.1, momentum=0.5)},
         lambda p: {k: "decay" if v.ndim >= 2 else "no_decay" for k, v in p.items()},
     ),
+    "muon_and_adam": lambda: fsg.optim.multi_transform(
+        {"muon": fsg.optim.muon(0.05, weight_decay=0.0), "adam": fsg.optim.adam(0.05)},
+        lambda p: {k: "muon" if v.ndim == 2 else "adam" for k, v in p.items()},
+    ),
     "scale_by_schedule": lambda: fsg.optim.chain(
         fsg.optim.scale_by_adam(), fsg.optim.scale_by_schedule(fsg.optim.piecewise(-0.05, {100: 0.5}))
     ),

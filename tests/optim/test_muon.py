@@ -1,0 +1,85 @@
+"""``fsg.optim.muon`` against ``torch.optim.Muon``, alone and beside AdamW in parameter groups."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsg
+from tests.helpers import steps_beside_eager
+
+
+def _loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def _batches(n, d_in, d_out):
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(8, d_in, generator=g), "y": torch.randn(8, d_out, generator=g)} for _ in range(n)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(2, 12), st.integers(2, 12), st.integers(2, 12), st.booleans(),
+       st.sampled_from([None, "original", "match_rms_adamw"]), st.sampled_from([0.0, 0.1]), st.sampled_from([0.9, 0.95]))  # fmt: skip
+def test_muon_matches_torch_optim_muon(d_in, hidden, d_out, nesterov, adjust_lr_fn, weight_decay, momentum):
+    """Tall, wide and square matrices, Nesterov or not, each learning-rate adjustment: 4 steps
+    equal ``torch.optim.Muon`` with the same arguments (to float32 rounding: the iteration runs
+    the same bfloat16 ops)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, d_out, bias=False))  # fmt: skip
+    reference = copy.deepcopy(model)
+    kw = dict(weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    step = fsg.compile_step(lambda p, b: _loss(lambda x: fsg.apply(model, p, x), b), optimizer=fsg.optim.muon(0.02, **kw),
+                            backend="eager")  # fmt: skip
+    state = step.init(fsg.params(model))
+    opt = torch.optim.Muon(reference.parameters(), lr=0.02, **kw)
+    state = steps_beside_eager(step, state, reference, opt, _batches(4, d_in, d_out), _loss)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_muon_for_hidden_matrices_and_adamw_for_the_rest_match_torch(backend):
+    """The usual split (as modded-nanogpt and torch's docs): Muon for the hidden 2-D weights,
+    AdamW for the embedding, biases, norms and head; equal to the two torch optimizers."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                torch.nn.GELU(), torch.nn.Linear(16, 8), torch.nn.Linear(8, 20))  # fmt: skip
+    reference = copy.deepcopy(model)
+    hidden = {"1.weight", "4.weight"}
+    labels = {name: "muon" if name in hidden else "adamw" for name, _ in model.named_parameters()}
+    opt = fsg.optim.multi_transform({"muon": fsg.optim.muon(0.02), "adamw": fsg.optim.adamw(3e-3, weight_decay=0.01)}, labels)
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b["ids"]).flatten(0, 1), b["ids"].roll(1, 1).flatten())  # noqa: E731
+    step = fsg.compile_step(lambda p, b: loss(lambda x: fsg.apply(model, p, x), b), optimizer=opt, backend=backend)
+    state = step.init(fsg.params(model))
+    named = dict(reference.named_parameters())
+    muon = torch.optim.Muon([named[n] for n in sorted(hidden)], lr=0.02)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in hidden], lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(2)
+    for i in range(4):
+        batch = {"ids": torch.randint(0, 20, (4, 6), generator=g)}
+        state, metrics = step(state, batch)
+        muon.zero_grad()
+        adamw.zero_grad()
+        eager = loss(reference, batch)
+        eager.backward()
+        muon.step()
+        adamw.step()
+        torch.testing.assert_close(metrics["loss"], eager.detach(), rtol=1e-5, atol=1e-6, msg=f"step {i}")
+    for name, p in named.items():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_muon_refuses_what_it_cannot_orthogonalize_by_name():
+    opt = fsg.optim.muon(0.02)
+    with pytest.raises(fsg.ArgumentError, match=r"params\['b'\] has shape \(3,\).*2-D.*multi_transform"):
+        opt.init({"w": torch.ones(3, 2), "b": torch.ones(3)})
+    with pytest.raises(fsg.ArgumentError, match="adjust_lr_fn"):
+        fsg.optim.muon(0.02, adjust_lr_fn="rms")
+    with pytest.raises(fsg.ArgumentError, match="ns_steps"):
+        fsg.optim.muon(0.02, ns_steps=0)
+    with pytest.raises(fsg.ArgumentError, match="momentum"):
+        fsg.optim.muon(0.02, momentum=1.5)
