@@ -17,12 +17,12 @@ def test_fsg_public_names():
 
 def test_optim_public_names():
     assert sorted(fsg.optim.__all__) == sorted([
-        "EmptyState", "GradientTransformation", "Schedule", "ScaleByAdamState",
-        "ScaleByLearningRateState", "ScaleByLionState", "ScaleByScheduleState", "TraceState",
+        "EmptyState", "GradientTransformation", "MaskedNode", "Schedule", "ScaleByAdamState",
+        "ScaleByLearningRateState", "ScaleByLionState", "ScaleByMuonState", "ScaleByScheduleState", "TraceState",
         "adam", "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
-        "constant", "cosine", "global_norm", "learning_rate", "linear", "lion", "piecewise",
-        "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion", "scale_by_schedule",
-        "sgd", "trace", "warmup_cosine",
+        "constant", "cosine", "global_norm", "learning_rate", "linear", "lion", "multi_transform", "muon",
+        "piecewise", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion", "scale_by_muon",
+        "scale_by_schedule", "set_to_zero", "sgd", "trace", "warmup_cosine",
     ])  # fmt: skip
     for name in fsg.optim.__all__:
         assert getattr(fsg.optim, name) is not None
