@@ -62,6 +62,15 @@ def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
     assert ranks(world).run(workers.check_gpt_preset, axes, preset) == [0] * world
 
 
+@pytest.mark.parametrize(
+    "world, axes, preset", [(2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")]
+)
+def test_muon_and_adamw_groups_on_a_transformer_match_unsharded(ranks, world, axes, preset):
+    """Muon's orthogonalization of sharded matrices (FSDP rows, tensor-parallel columns or
+    rows, both) equals the unsharded step: each rank orthogonalizes the gathered matrix."""
+    ranks(world).run(workers.check_gpt_preset, axes, preset, None, True)
+
+
 def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ranks):
     table, param_bytes = ranks(2).run(workers.collectives_of, {"dp": 2}, "dp", "mlp", None)[0]
     # One all-reduce per gradient (4 params) plus the 4-byte loss metric; no gathers: no
