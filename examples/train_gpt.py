@@ -145,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps (at most a fifth of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="muon: Muon for the blocks' weight matrices, AdamW for the rest")  # fmt: skip
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (--optimizer muon)")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sample-every", type=int, default=200)
@@ -212,6 +215,25 @@ def resume(manager, state, loader, log):
     return saved["train"], int(saved["train"].step)
 
 
+def make_optimizer(args: argparse.Namespace) -> fsg.optim.GradientTransformation:
+    """AdamW (no decay of biases and norms); with ``--optimizer muon``, Muon for the blocks'
+    weight matrices and AdamW for the embeddings, biases and norms (docs/optimizers.md)."""
+
+    def schedule(peak: float) -> fsg.optim.Schedule:
+        return fsg.optim.warmup_cosine(peak, warmup=min(args.warmup, args.steps // 5), total=args.steps, end_value=peak / 10)
+
+    if args.optimizer == "adamw":
+        decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - no decay of biases/norms
+        return fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay, mask=decay_2d)
+    groups = lambda p: {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "decay" if v.ndim == 2 else "no_decay"
+                        for k, v in p.items()}  # noqa: E731 fmt: skip
+    return fsg.optim.multi_transform({
+        "muon": fsg.optim.muon(schedule(args.muon_lr), weight_decay=args.weight_decay),
+        "decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay),
+        "no_decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=0.0),
+    }, groups)  # fmt: skip
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
@@ -234,14 +256,7 @@ def main(argv=None) -> dict:
         logits_BTV = fsg.apply(model, params, tokens_BT[:, :-1])
         return fsg.nn.cross_entropy(logits_BTV, tokens_BT[:, 1:])
 
-    decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - no decay of biases/norms
-    optimizer = fsg.optim.chain(
-        fsg.optim.clip_by_global_norm(1.0),
-        fsg.optim.adamw(
-            fsg.optim.warmup_cosine(args.lr, warmup=min(args.warmup, args.steps // 5), total=args.steps, end_value=args.lr / 10),
-            b2=0.99, weight_decay=args.weight_decay, mask=decay_2d,
-        ),
-    )  # fmt: skip
+    optimizer = fsg.optim.chain(fsg.optim.clip_by_global_norm(1.0), make_optimizer(args))
     sharding = sharding_for(mesh_axes := parse_mesh(args.mesh)) if mesh else None
     step = fsg.compile_step(loss_fn, mesh, optimizer=optimizer, param_sharding=sharding, backend=args.backend)
     state = step.init(params, seed=args.seed)

@@ -97,3 +97,10 @@ def test_bad_labels_are_named():
         fsg.optim.multi_transform({}, {"w": "a"})
     with pytest.raises(fsg.ArgumentError, match=r"\['a'\].*GradientTransformation"):
         fsg.optim.multi_transform({"a": torch.optim.SGD}, {"w": "a"})
+
+
+def test_a_mask_function_that_fails_on_masked_leaves_is_explained():
+    decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - fails on a MaskedNode
+    opt = fsg.optim.multi_transform({"a": fsg.optim.adamw(0.1, mask=decay_2d), "b": fsg.optim.sgd(0.1)}, {"w": "a", "b": "b"})
+    with pytest.raises(fsg.ArgumentError, match=r"add_decayed_weights\(mask=...\).*MaskedNode.*group of their own"):
+        opt.init({"w": torch.ones(2, 2), "b": torch.ones(2)})

@@ -7,6 +7,7 @@ from typing import Any, Callable, NamedTuple, Union
 import torch
 
 from fsg._src import checks, tree
+from fsg._src.errors import ArgumentError
 from fsg._src.optim import _checks
 from fsg._src.optim._base import EmptyState, GradientTransformation, zeros_count
 from fsg._src.optim._schedules import ScalarOrSchedule, as_schedule
@@ -105,7 +106,19 @@ def trace(*, decay: float, nesterov: bool = False) -> GradientTransformation:
 
 
 def _resolve_mask(mask: MaskOrFn, params: Any) -> Any:
-    return mask(params) if callable(mask) else mask
+    if not callable(mask):
+        return mask
+    try:
+        return mask(params)
+    except Exception as exc:
+        if not any(isinstance(leaf, tree.MaskedNode) for leaf in tree.flatten_masked(params)[0]):
+            raise
+        raise ArgumentError(
+            f"add_decayed_weights(mask=...) (adamw, lion): the mask function raised {type(exc).__name__}: {exc}. Inside fsg.optim.multi_transform it is given the "
+            f"params with the other groups' leaves replaced by fsg.optim.MaskedNode(), which has no .ndim or .shape. "
+            f"Give the parameters not to decay a group of their own (weight_decay=0.0) instead of a mask, or skip "
+            f"MaskedNode in the function"
+        ) from exc
 
 
 def add_decayed_weights(weight_decay: float = 0.0, *, mask: MaskOrFn = None) -> GradientTransformation:
