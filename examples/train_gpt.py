@@ -225,8 +225,10 @@ def make_optimizer(args: argparse.Namespace) -> fsg.optim.GradientTransformation
     if args.optimizer == "adamw":
         decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - no decay of biases/norms
         return fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay, mask=decay_2d)
-    groups = lambda p: {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "decay" if v.ndim == 2 else "no_decay"
-                        for k, v in p.items()}  # noqa: E731 fmt: skip
+    def groups(p: dict) -> dict:
+        return {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "decay" if v.ndim == 2 else "no_decay"
+                for k, v in p.items()}  # fmt: skip
+
     return fsg.optim.multi_transform({
         "muon": fsg.optim.muon(schedule(args.muon_lr), weight_decay=args.weight_decay),
         "decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay),
