@@ -330,3 +330,13 @@ def test_reparametrize_swaps_tensors_in_until_exit_tied_weights_too():
     with _torch_private.reparametrize(model, {"0.weight": new}, tie_weights=True, strict=False):
         assert model[0].weight is new and model[1].weight is new and model[0].bias is not None
     assert model[0].weight is own and model[1].weight is own
+
+
+def test_distributions_default_validation_flag_is_a_class_attribute():
+    """``Distribution._validate_args`` (the default ``set_default_validate_args`` sets), read and
+    restored by ``trace_fake``: inside a trace a ``Normal`` does not check its scale."""
+    default = torch.distributions.Distribution._validate_args
+    assert isinstance(default, bool)
+    gm = _torch_private.trace_fake(lambda s: torch.distributions.Normal(torch.zeros(2), s).log_prob(torch.zeros(2)), torch.ones(2))
+    assert len(gm.graph.nodes) > 2
+    assert torch.distributions.Distribution._validate_args is default

@@ -28,8 +28,7 @@ from fsg._src import decompositions as fsg_decompositions
 
 __all__ = [  # fmt: skip
     "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "OpOverload",
-    "REDUCE_SCATTER",
-    "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
+    "REDUCE_SCATTER", "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
     "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
     "fake_mode", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
     "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
@@ -37,10 +36,7 @@ __all__ = [  # fmt: skip
 
 # What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
 # torch versions that do not capture scalar outputs).
-DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (
-    DataDependentOutputException,
-    GuardOnDataDependentSymNode,
-)
+DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 DYNAMIC_SHAPE_ERROR = DynamicOutputShapeException  # an op whose output shape tracing cannot know (``.func``)
 # Ops that bring a tensor's value to the host; torch 2.13 records ``.item()`` as this node
@@ -56,9 +52,8 @@ REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
-# ``register_sharding(op)(fn)``: DTensor sharding strategies for a custom op (experimental in
-# torch 2.11 and 2.13); ``fn`` returns ``[(output placements, input placements), ...]`` for one
-# mesh dim, which DTensor expands over the mesh.
+# ``register_sharding(op)(fn)``: DTensor sharding strategies for a custom op (experimental in torch 2.11 and
+# 2.13); ``fn`` returns ``[(output placements, input placements), ...]`` for one mesh dim, expanded over the mesh.
 register_sharding = register_sharding
 
 
@@ -99,18 +94,13 @@ def default_store() -> Any:
     every rank reaches without a collective; ``None`` when no process group is initialized."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
 
 
-def core_decompositions() -> dict[Any, Callable[..., Any]]:
-    """torch's decompositions to the core ATen op set (what ``torch.export`` lowers to)."""
-    return core_aten_decompositions()
+core_decompositions = core_aten_decompositions  # () -> torch's decompositions to core ATen (torch.export's set)
 
 
-def all_decompositions() -> dict[Any, Callable[..., Any]]:
-    """Every registered Python decomposition (``torch._decomp.decomposition_table``)."""
+def all_decompositions() -> dict[Any, Callable[..., Any]]:  # every registered Python decomposition
     return dict(decomposition_table)
 
 
@@ -197,13 +187,25 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool =
     writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
     (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
     ``source_lines`` records each node's Python stack in ``node.meta["stack_trace"]`` (for
-    errors that name the user's line); it costs about a fifth of the trace. Code compiled with
+    errors that name the user's line); it costs about a fifth of the trace. ``torch.distributions``
+    run without their default value checks (``_distributions_unchecked``). Code compiled with
     ``torch.compile`` (a decorated helper, a compiled module) is traced as the Python it wraps,
     as torch does under ``error_on_nested_fx_trace=False``: fsg compiles the whole step."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
-    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _distributions_unchecked():
         return make_fx(fn, decomposition_table=table, **options)(*args)
+
+
+@contextlib.contextmanager
+def _distributions_unchecked():
+    """``torch.distributions``' default value checks (``Normal``: ``sigma > 0``?) off: a trace has no values."""
+    default = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(default)
 
 
 def functionalize(
@@ -252,8 +254,7 @@ def inductor_compile(
     """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
     dtypes and strides, without Dynamo re-tracing it (``standalone_compile``, torch 2.8+), its
     on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``)."""
-    inputs = list(example_inputs)
-    return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs", options=options)
+    return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
 
 
 @contextlib.contextmanager
