@@ -69,6 +69,7 @@ def test_muon_and_adamw_groups_on_a_transformer_match_unsharded(ranks, world, ax
     """Muon's orthogonalization of sharded matrices (FSDP rows, tensor-parallel columns or
     rows, both) equals the unsharded step: each rank orthogonalizes the gathered matrix."""
     ranks(world).run(workers.check_gpt_preset, axes, preset, None, True)
+    ranks(world).run(workers.verify_muon, axes, preset)
 
 
 def test_data_parallel_all_reduces_each_gradient_once_and_nothing_in_forward(ranks):

@@ -87,6 +87,16 @@ def muon_groups() -> fsg.optim.GradientTransformation:
     return fsg.optim.multi_transform({"muon": fsg.optim.muon(0.02), "adamw": fsg.optim.adamw(1e-2, weight_decay=0.1)}, hidden)
 
 
+def verify_muon(axes: dict, preset: str) -> None:
+    """``compile_step(verify=True)`` with ``muon_groups()``: the float64 check of the sharded step
+    against the unsharded one passes (each rank orthogonalizes the gathered matrix)."""
+    model = tiny_gpt()
+    step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=muon_groups(),
+                            param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(),
+                            backend="eager", verify=True)  # fmt: skip
+    step(step.init(fsg.params(model)), gpt_batches(1)[0])
+
+
 def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = None, muon: bool = False) -> int:
     """Sharded == unsharded for a preset (AdamW, or ``muon_groups()``); returns how many fused
     AdamW nodes the sharded step's graph has."""
