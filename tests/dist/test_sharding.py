@@ -62,6 +62,11 @@ def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
     assert ranks(world).run(workers.check_gpt_preset, axes, preset) == [0] * world
 
 
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_weighted_accumulation_on_a_mesh_matches_unsharded(ranks, preset):
+    ranks(2).run(workers.check_weighted_accumulation, {"dp": 2}, preset)
+
+
 @pytest.mark.parametrize(
     "world, axes, preset", [(2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp"), (4, {"dp": 2, "tp": 2}, "fsdp_tp")]
 )

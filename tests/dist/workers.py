@@ -87,6 +87,24 @@ def muon_groups() -> fsg.optim.GradientTransformation:
     return fsg.optim.multi_transform({"muon": fsg.optim.muon(0.02), "adamw": fsg.optim.adamw(1e-2, weight_decay=0.1)}, hidden)
 
 
+def check_weighted_accumulation(axes: dict, preset: str) -> None:
+    """``accum_steps=2`` with ``microbatch_weight`` (the count of labelled tokens; a random half
+    of the targets ignored) sharded equals unsharded: the weights are global counts."""
+    model = tiny_gpt()
+
+    def loss_fn(params, batch):
+        logits = fsg.apply(model, params, batch["x"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), ignore_index=-100)
+
+    g = torch.Generator().manual_seed(3)
+    batches = [{"x": b["x"], "y": b["y"].masked_fill(torch.rand(b["y"].shape, generator=g) < 0.5, -100)} for b in gpt_batches()]
+    fsg.testing.assert_sharded_matches_unsharded(
+        loss_fn, fsg.params(model), batches, fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2, weight_decay=0.1),
+        param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"), rtol=1e-4, atol=1e-5, accum_steps=2,
+        microbatch_weight=lambda mb: (mb["y"] != -100).sum(),
+    )  # fmt: skip
+
+
 def verify_muon(axes: dict, preset: str) -> None:
     """``compile_step(verify=True)`` with ``muon_groups()``: the float64 check of the sharded step
     against the unsharded one passes (each rank orthogonalizes the gathered matrix)."""

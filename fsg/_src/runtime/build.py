@@ -50,6 +50,7 @@ class Builder:
         donate: bool,
         precision: Policy,
         accum_steps: int,
+        microbatch_weight: Any,
         mesh: Mesh | None,
         batch_sharding: P,
         fused_optimizer: bool | None,
@@ -62,6 +63,7 @@ class Builder:
         self._donate = donate
         self._precision = precision
         self._accum_steps = accum_steps
+        self._microbatch_weight = microbatch_weight
         self._mesh = mesh
         self._batch_sharding = batch_sharding
         self._fused_optimizer = fused_optimizer
@@ -118,6 +120,7 @@ class Builder:
             donate=self._donate,
             precision=self._precision,
             accum_steps=self._accum_steps,
+            microbatch_weight=self._microbatch_weight,
             mark_grads=mark_grads,
             skip=self._skip_now,
             fused_loss=fused_loss_lib.wanted(self._fused_loss, state),
@@ -148,6 +151,7 @@ class Builder:
                 donate=self._donate,
                 precision=self._precision,
                 accum_steps=self._accum_steps,
+                microbatch_weight=self._microbatch_weight,
                 mark_uses=True,
                 mark_grads=True,
                 source_lines=True,  # stage 2's errors name the user's line

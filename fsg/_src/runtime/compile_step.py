@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
+
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.precision import Policy
@@ -20,6 +24,7 @@ def compile_step(
     batch_sharding: P | None = None,
     precision: Policy | None = None,
     accum_steps: int = 1,
+    microbatch_weight: Callable[[Any], torch.Tensor] | None = None,
     backend: str = "inductor",
     donate: bool = True,
     strict: bool = False,
@@ -55,6 +60,12 @@ def compile_step(
         dtype the loss computes in (default: float32 for both).
       accum_steps: split each batch into this many microbatches along dim 0 and average
         their gradients, loss and aux in the one graph (gradient accumulation).
+      microbatch_weight: with ``accum_steps`` > 1, a function of a microbatch giving its
+        weight as a 0-d tensor (e.g. its count of labelled tokens): the gradients, loss and
+        aux become the weighted mean over microbatches, so that a loss averaged over a varying
+        number of items (tokens with ``ignore_index``, padding) equals the full batch's, as
+        Hugging Face's ``num_items_in_batch``. ``None`` (default): equal weights
+        (docs/compiling.md#gradient-accumulation).
       backend: ``"inductor"`` (default), ``"aot_eager"`` or ``"eager"`` (no compiler).
       donate: update the state in place (no second copy of params and optimizer state);
         the state passed in is returned, updated.
@@ -118,7 +129,7 @@ def compile_step(
     """
     options = dict(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
-        precision=precision, accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
+        precision=precision, accum_steps=accum_steps, microbatch_weight=microbatch_weight, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
         bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
         fused_loss=fused_loss,
     )  # fmt: skip

@@ -61,6 +61,7 @@ class Step:
         batch_sharding: P | None = None,
         precision: Policy | None = None,
         accum_steps: int = 1,
+        microbatch_weight: Any = None,
         fused_optimizer: bool | None = None,
         cuda_graph: bool | None = None,
         bucket_mb: float | None = buckets.DEFAULT_BUCKET_MB,
@@ -75,7 +76,8 @@ class Step:
         self._config = dict(
             loss_fn=loss_fn, optimizer=optimizer, backend=backend, donate=donate, strict=strict, mesh=mesh,
             param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
-            accum_steps=accum_steps, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph, bucket_mb=bucket_mb,
+            accum_steps=accum_steps, microbatch_weight=microbatch_weight, fused_optimizer=fused_optimizer,
+            cuda_graph=cuda_graph, bucket_mb=bucket_mb,
             skip_nonfinite=skip_nonfinite, check_replicas=check_replicas, fused_loss=fused_loss,
         )  # fmt: skip
         skip, skip_policy = nonfinite.resolve(skip_nonfinite)
@@ -99,6 +101,7 @@ class Step:
             donate=donate,
             precision=self._precision,
             accum_steps=accum_steps,
+            microbatch_weight=microbatch_weight,
             mesh=self._mesh,
             batch_sharding=batch_sharding,
             fused_optimizer=fused_optimizer,

@@ -49,6 +49,9 @@ def check_compile_args(loss_fn: Any, mesh: Any, optimizer: Any, options: dict[st
         check_policy(options["precision"])
     checks.integer("compile_step(accum_steps=...)", options["accum_steps"], low=1,
                    fix="It is the number of microbatches per step; 1 means no accumulation")  # fmt: skip
+    if options["microbatch_weight"] is not None:
+        checks.function("compile_step(microbatch_weight=...)", options["microbatch_weight"],
+                        fix="Pass a function of a microbatch, e.g. lambda b: (b['labels'] != -100).sum()")  # fmt: skip
     if options["backend"] not in BACKENDS:
         raise ArgumentError(f"compile_step(backend=...): unknown backend {options['backend']!r}; choose one of {BACKENDS}")
     for name in ("donate", "strict", "verify"):

@@ -22,7 +22,7 @@ from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
-from fsg._src.trace import epilogue, loss_output, markers, purity, random, resilience
+from fsg._src.trace import accumulation, epilogue, loss_output, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
@@ -93,7 +93,7 @@ def train_step(
     state: TrainState,
     batch: Any,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
-    accum_steps: int = 1,
+    accum: tuple[int, Callable[[Any], torch.Tensor] | None] = (1, None),
     mark_uses: bool = False,
     mark_grads: bool = False,
     skip: bool = False,
@@ -102,8 +102,9 @@ def train_step(
     """One train step as a pure function of tensors: what stage 1 traces.
 
     Returns the new state and the metrics (``loss``, ``grad_norm``, ``lr`` when the optimizer
-    has a learning rate, and the aux outputs of ``loss_fn``). With ``accum_steps`` > 1 the
-    gradients, loss and aux are means over that many microbatches. With ``skip`` (always
+    has a learning rate, and the aux outputs of ``loss_fn``). With ``accum = (k, weight)``,
+    k > 1, the gradients, loss and aux are means over k microbatches, weighted by
+    ``weight(microbatch)`` when given (``accumulation.py``). With ``skip`` (always
     with a loss scale) a non-finite step leaves params, optimizer state and buffers as they
     were and is counted in ``state.skips`` and ``metrics["skipped"]`` (docs/resilience.md).
     ``fusing`` (a ``FusedLoss`` mode) traces the cross-entropies of linear layers' logits fused.
@@ -116,24 +117,21 @@ def train_step(
     # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
     inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
+    accum_steps, weigh = accum
     micro = microbatches(batch, accum_steps)
     # The loss's modules update buffers in place (BatchNorm's running statistics): on copies,
     # which become the new state, so the step's inputs are written only by donation.
     buffers = tree.tree_map(torch.clone, state.buffers)  # trace() drops the copies never written
-    loss, aux, sums, frozen_leaves = None, {}, [None] * len(inputs), set()
+    mean = accumulation.Mean(len(inputs), weigh if accum_steps > 1 else None)
+    frozen_leaves: set[int] = set()
     with random.keyed(state.rng):  # random ops draw from the step's key (seed, counter), not torch's generator
         for mb in micro:  # unrolled: each microbatch's activations die after its backward
             mb_loss, mb_aux, mb_grads, mb_frozen = _loss_and_grads(
                 loss_fn, inputs, params_def, mb, buffers, precision, mark_uses, scale, fusing
             )
             frozen_leaves |= mb_frozen
-            loss = mb_loss.float() if loss is None else loss + mb_loss.float()
-            aux = {k: aux[k] + v if k in aux else v for k, v in mb_aux.items()}
-            sums = [g if s is None else (s if g is None else s + g) for s, g in zip(sums, mb_grads)]
-    if accum_steps > 1:  # the mean over microbatches, as the loss over the whole batch
-        loss = loss / accum_steps
-        aux = {k: v / accum_steps for k, v in aux.items()}
-        sums = [None if g is None else g / accum_steps for g in sums]
+            mean.add(mb, mb_loss, mb_aux, mb_grads)
+    loss, aux, sums = mean.result()  # the mean over microbatches, as the loss over the whole batch
     if scale is not None:  # unscaled before the markers: stage 2 and the fused update see true gradients
         sums = [None if g is None else g / scale.to(g.dtype) for g in sums]
     kept = frozen_leaves | {i for i, g in enumerate(sums) if g is None}  # frozen, or not reached by the loss
@@ -185,6 +183,7 @@ def trace(
     donate: bool,
     precision: Policy = Policy(),  # noqa: B008 - an immutable NamedTuple
     accum_steps: int = 1,
+    microbatch_weight: Callable[[Any], torch.Tensor] | None = None,
     mark_uses: bool = False,
     mark_grads: bool = False,
     source_lines: bool = False,
@@ -217,7 +216,7 @@ def trace(
             tree.unflatten(state_def, old_leaves),
             tree.unflatten(batch_def, flat[n_state:]),
             precision,
-            accum_steps,
+            (accum_steps, microbatch_weight),
             mark_uses,
             mark_grads,
             skip,
