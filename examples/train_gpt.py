@@ -289,7 +289,7 @@ def main(argv=None) -> dict:
     for i in range(start + 1, args.steps + 1):
         batch = next(loader)
         if i == start + 1:
-            log(f"compiling the train step with {args.backend} (forward + backward + AdamW in one graph)...")
+            log(f"compiling the train step with {args.backend} (forward + backward + {'Muon and AdamW' if args.optimizer == 'muon' else 'AdamW'} in one graph)...")
             t0 = time.perf_counter()
         state, metrics = step(state, batch)
         if i == start + 1:
