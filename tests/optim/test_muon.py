@@ -83,3 +83,16 @@ def test_muon_refuses_what_it_cannot_orthogonalize_by_name():
         fsg.optim.muon(0.02, ns_steps=0)
     with pytest.raises(fsg.ArgumentError, match="momentum"):
         fsg.optim.muon(0.02, momentum=1.5)
+
+
+def test_cost_counts_the_iterations_flops():
+    """``Lowered.cost()`` counts the Newton-Schulz matmuls (a flop formula for the op): five
+    iterations of ``4 m^2 n + 2 m^3`` per ``m x n`` matrix (``m <= n``) on top of the model's."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 4, bias=False))
+    loss = lambda p, b: fsg.apply(model, p, b).pow(2).mean()  # noqa: E731
+    x = torch.randn(4, 8)
+    flops = {}
+    for name, opt in (("sgd", fsg.optim.sgd(0.1)), ("muon", fsg.optim.muon(0.02))):
+        step = fsg.compile_step(loss, optimizer=opt, backend="eager")
+        flops[name] = step.lower(step.init(fsg.params(model)), x).cost().flops
+    assert flops["muon"] - flops["sgd"] == 5 * (4 * 8 * 8 * 16 + 2 * 8**3) + 5 * (4 * 4 * 4 * 16 + 2 * 4**3)

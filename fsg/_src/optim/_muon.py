@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import Replicate
+from torch.utils.flop_counter import register_flop_formula
 
 from fsg._src import _torch_private, checks, tree
 from fsg._src.errors import ArgumentError
@@ -56,6 +57,14 @@ def _newton_schulz(g: torch.Tensor, a: float, b: float, c: float, steps: int, ep
 @_newton_schulz.register_fake
 def _(g: torch.Tensor, a: float, b: float, c: float, steps: int, eps: float) -> torch.Tensor:
     return torch.empty(g.shape, dtype=torch.bfloat16, device=g.device)
+
+
+@register_flop_formula(torch.ops.fsg.newton_schulz)
+def _flops(g_shape: torch.Size, a: float, b: float, c: float, steps: int, eps: float, *args: Any, **kwargs: Any) -> int:
+    """Each iteration on the wide ``m x n`` orientation (``m <= n``): the Gram matrix ``x x^T``,
+    its square, and the product with ``x`` (``Lowered.cost()`` counts them)."""
+    m, n = sorted(g_shape)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 @_torch_private.register_sharding(torch.ops.fsg.newton_schulz.default)
