@@ -54,18 +54,24 @@ def learning_rate(where: str, value: Any) -> None:
         non_negative(where, value, fix="Pass a float such as 3e-4 or a schedule; the update already descends")
 
 
+def like_params(where: str, what: str, value: Any, params: Any, fix: str) -> list[Any]:
+    """``value``'s leaves, if it has the params' tree structure; else an ``ArgumentError``
+    naming the missing and unexpected leaves (``what``: what ``value`` must be)."""
+    leaves, value_def = tree.flatten(value)
+    params_def = tree.flatten(params)[1]
+    if value_def != params_def:
+        want, have = tree.leaf_paths(params, "params"), tree.leaf_paths(value, "params")
+        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        detail = f"missing {missing[:5]}, unexpected {extra[:5]}" if missing or extra else f"{value_def} vs {params_def}"
+        raise ArgumentError(f"{where}: {what} shaped like the params ({detail}). {fix}")
+    return leaves
+
+
 def mask(where: str, flags: Any, params: Any) -> None:
     """A weight-decay mask must have the params' tree structure, with bool leaves."""
-    flag_leaves, flags_def = tree.flatten(flags)
-    params_def = tree.flatten(params)[1]
-    if flags_def != params_def:
-        want, have = tree.leaf_paths(params, "params"), tree.leaf_paths(flags, "params")
-        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        detail = f"missing {missing[:5]}, unexpected {extra[:5]}" if missing or extra else f"{flags_def} vs {params_def}"
-        raise ArgumentError(
-            f"{where}: the mask must be a tree of bools shaped like the params ({detail}). Give one bool per "
-            f"parameter, or a function of the params, e.g. lambda p: {{k: v.ndim >= 2 for k, v in p.items()}}"
-        )
+    flag_leaves = like_params(where, "the mask must be a tree of bools", flags, params,
+                              "Give one bool per parameter, or a function of the params, e.g. "
+                              "lambda p: {k: v.ndim >= 2 for k, v in p.items()}")  # fmt: skip
     for path, flag in zip(tree.leaf_paths(params, "mask"), flag_leaves):
         if not (isinstance(flag, bool) or isinstance(flag, torch.Tensor) and flag.dtype == torch.bool and flag.dim() == 0):
             raise checks.fail(f"{where}: {path}", "must be a bool (decay this parameter or not)", flag)

@@ -14,6 +14,7 @@ import torch
 
 from fsg._src import checks, tree
 from fsg._src.errors import ArgumentError
+from fsg._src.optim import _checks
 from fsg._src.optim._base import EmptyState, GradientTransformation, check_transformation
 from fsg._src.tree import MaskedNode
 
@@ -86,17 +87,9 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
 def _labels(param_labels: Labels, params: Any, transforms: Mapping[Hashable, Any]) -> list[Hashable]:
     """The label of each leaf of ``params``, in flatten order, checked."""
     labels = param_labels(params) if callable(param_labels) else param_labels
-    label_leaves, labels_def = tree.flatten(labels)
-    params_def = tree.flatten(params)[1]
-    if labels_def != params_def:
-        want, have = tree.leaf_paths(params, "params"), tree.leaf_paths(labels, "params")
-        missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-        detail = f"missing {missing[:5]}, unexpected {extra[:5]}" if missing or extra else f"{labels_def} vs {params_def}"
-        raise ArgumentError(
-            f"multi_transform(param_labels=...): the labels must be a tree shaped like the params, one label per "
-            f"parameter ({detail}). Give a function of the params, e.g. "
-            f"lambda p: {{k: 'decay' if v.ndim >= 2 else 'no_decay' for k, v in p.items()}}"
-        )
+    label_leaves = _checks.like_params("multi_transform(param_labels=...)", "the labels must be a tree, one label per parameter,",
+                                       labels, params, "Give a function of the params, e.g. "
+                                       "lambda p: {k: 'decay' if v.ndim >= 2 else 'no_decay' for k, v in p.items()}")  # fmt: skip
     for path, label in zip(tree.leaf_paths(params, "params"), label_leaves):
         if label not in transforms:
             raise ArgumentError(
