@@ -104,3 +104,22 @@ def test_a_mask_function_that_fails_on_masked_leaves_is_explained():
     opt = fsg.optim.multi_transform({"a": fsg.optim.adamw(0.1, mask=decay_2d), "b": fsg.optim.sgd(0.1)}, {"w": "a", "b": "b"})
     with pytest.raises(fsg.ArgumentError, match=r"add_decayed_weights\(mask=...\).*MaskedNode.*group of their own"):
         opt.init({"w": torch.ones(2, 2), "b": torch.ones(2)})
+
+
+def test_a_parameter_frozen_mid_run_keeps_its_moments_inside_its_group():
+    """``frozen.keep`` finds a group's moments (trees with other groups' leaves masked): a
+    parameter frozen after a step keeps its Adam moment and its momentum bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    labels = {"0.weight": "a", "0.bias": "b", "1.weight": "a", "1.bias": "b"}
+    opt = fsg.optim.multi_transform({"a": fsg.optim.adamw(0.1), "b": fsg.optim.sgd(0.1, momentum=0.9)}, labels)
+    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b).pow(2).mean(), optimizer=opt, backend="eager", donate=False)
+    x = torch.randn(8, 4)
+    state, _ = step(step.init(fsg.params(model)), x)
+    model[0].weight.requires_grad_(False)
+    model[1].bias.requires_grad_(False)
+    with pytest.warns(fsg.RecompileWarning, match="requires_grad: True -> False"):
+        after, _ = step(state, x)
+    assert torch.equal(after.opt_state["a"][0].mu["0.weight"], state.opt_state["a"][0].mu["0.weight"])
+    assert torch.equal(after.opt_state["b"][0].trace["1.bias"], state.opt_state["b"][0].trace["1.bias"])
+    assert not torch.equal(after.opt_state["a"][0].mu["1.weight"], state.opt_state["a"][0].mu["1.weight"])
