@@ -37,6 +37,9 @@ Implementations (--impl):
             layer-by-layer FP8 baseline (needs torchao: the wheel is carried to the GPU machine)
   compile-model torch.compile(model) with the loss outside, in eager float32 (the weaker
             baseline earlier rows of RESULTS.md were measured against)
+  compile-muon, compile-opt-muon   compile with torch.optim.Muon (lr 0.02) for the blocks'
+            weight matrices and AdamW for the rest (embeddings, norms, biases), the
+            optimizer steps eager or under torch.compile: the baselines of fsg-muon
   jax       jax.jit of value_and_grad + optax.adamw, donated state, layers under lax.scan
   fsg       fsg.compile_step with every default on: fused AdamW, CUDA-graph replay, and the
             loss through fsg.nn.linear_cross_entropy (the head fused with the loss)
@@ -56,6 +59,9 @@ Implementations (--impl):
             its own (Inductor's), not all in one multi-tensor launch
   any fsg implementation + -catgrads   with the pack_attention_grads pass off: attention's
             backward writes dq, dk, dv apart and the graph concatenates them (fsg-catgrads)
+  fsg-muon  fsg with fsg.optim.multi_transform: muon(0.02) for the blocks' weight matrices,
+            adamw for the rest (the update traced as math: the fused AdamW kernel takes one
+            adamw over all parameters)
   fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
   fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
             tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
@@ -98,6 +104,7 @@ from _common import float8_config, profile_table, torchao_float8
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
 LR, B1, B2, WD, EPS = 6e-4, 0.9, 0.95, 0.1, 1e-8
+MUON_LR = 0.02  # torch.optim.Muon for the hidden matrices (Keller Jordan's; its default 1e-3 is AdamW-like)
 PEAK_TFLOPS = 989.0
 
 
@@ -159,7 +166,19 @@ def run_torch(impl: str, args) -> dict:
             return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
 
         compiled = torch.compile(loss_of, mode="max-autotune-no-cudagraphs" if impl == "compile-max" else None)
-        if impl in ("compile-opt", "compile-opt-nomix"):  # torch's recipe for a compiled optimizer: a tensor lr, foreach
+        if impl.endswith("-muon"):
+            hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+            rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+            muon = torch.optim.Muon(hidden, lr=MUON_LR, weight_decay=WD)
+            adamw = torch.optim.AdamW(rest, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=cuda)
+
+            def both_steps():
+                muon.step()
+                adamw.step()
+
+            opt = muon  # zero_grad below; AdamW's grads are cleared with the model's
+            opt_step = torch.compile(both_steps) if impl == "compile-opt-muon" else both_steps
+        elif impl in ("compile-opt", "compile-opt-nomix"):  # torch's recipe for a compiled optimizer: a tensor lr, foreach
             opt = torch.optim.AdamW(
                 model.parameters(), lr=torch.tensor(LR) if cuda else LR, betas=(B1, B2), eps=EPS, weight_decay=WD,
                 foreach=True, capturable=cuda,
@@ -174,7 +193,7 @@ def run_torch(impl: str, args) -> dict:
             loss = compiled(x, y)
             loss.backward()
             opt_step()
-            opt.zero_grad(set_to_none=True)
+            (model.zero_grad if impl.endswith("-muon") else opt.zero_grad)(set_to_none=True)
             return loss
 
     else:
@@ -209,9 +228,13 @@ def run_torch(impl: str, args) -> dict:
                 return fsg.nn.cross_entropy(fsg.apply(model, params, batch["x"]), batch["y"])
             return fsg.apply(model, params, batch["x"], batch["y"])
 
+        adamw = fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+        if impl == "fsg-muon":
+            hidden = lambda p: {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "adamw" for k, v in p.items()}  # noqa: E731
+            adamw = fsg.optim.multi_transform({"muon": fsg.optim.muon(MUON_LR, weight_decay=WD), "adamw": adamw}, hidden)
         fstep = fsg.compile_step(
             loss_fn,
-            optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+            optimizer=adamw,
             precision=fsg.Policy(
                 compute=torch.bfloat16,
                 autocast=impl == "fsg-autocast",
