@@ -6,6 +6,7 @@ A *leaf path* is the Python expression that reaches a leaf from a named root, fo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import optree
@@ -16,6 +17,29 @@ from fsg._src.errors import NonTensorLeafError
 
 # None is a leaf so that a missing value is reported, not silently dropped from the tree.
 _NONE_IS_LEAF = True
+# fsg's optree namespace: mapping types other than dict that a batch may be (Hugging Face's
+# BatchEncoding, what tokenizers and data collators return) are registered in it on first sight.
+_NAMESPACE = "fsg"
+_MAPPINGS: set[type] = set()
+
+
+def _see(tree: Any) -> None:
+    """Registers ``tree``'s type as a node (its keys sorted, as a dict's) when it is a mapping
+    other than ``dict`` that can be rebuilt from a dict; anything else stays a leaf."""
+    cls = type(tree)
+    if cls is dict or cls in _MAPPINGS or not isinstance(tree, Mapping):
+        return
+    _MAPPINGS.add(cls)
+    try:
+        rebuilt = cls(dict(tree))
+        if sorted(rebuilt) != sorted(tree):
+            return
+    except Exception:  # noqa: BLE001 - not rebuildable from a dict: a leaf (reported as such)
+        return
+    optree.register_pytree_node(
+        cls, lambda m: ([m[k] for k in sorted(m)], sorted(m), sorted(m)),
+        lambda keys, values, cls=cls: cls(dict(zip(keys, values))), namespace=_NAMESPACE,
+    )  # fmt: skip
 
 
 class MaskedNode(NamedTuple):
@@ -27,12 +51,15 @@ class MaskedNode(NamedTuple):
 def flatten_masked(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` counting each ``MaskedNode`` as a leaf: a tree with some leaves masked
     has the structure of the whole one."""
-    return optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, MaskedNode), none_is_leaf=_NONE_IS_LEAF)
+    _see(tree)
+    return optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, MaskedNode), none_is_leaf=_NONE_IS_LEAF,
+                               namespace=_NAMESPACE)  # fmt: skip
 
 
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flattens ``tree`` into its leaves and structure."""
-    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF)
+    _see(tree)
+    return optree.tree_flatten(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
 
 
 def unflatten(treedef: optree.PyTreeSpec, leaves: Any) -> Any:
@@ -42,21 +69,37 @@ def unflatten(treedef: optree.PyTreeSpec, leaves: Any) -> Any:
 
 def leaf_paths(tree: Any, root: str) -> list[str]:
     """Returns the path of every leaf of ``tree``, in flatten order, from the name ``root``."""
-    accessors, _, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=_NONE_IS_LEAF)
+    _see(tree)
+    accessors, _, _ = optree.tree_flatten_with_accessor(tree, none_is_leaf=_NONE_IS_LEAF, namespace=_NAMESPACE)
     return [accessor.codify(root) for accessor in accessors]
 
 
 def tree_map(fn, tree: Any, *rest: Any) -> Any:
     """Maps ``fn`` over the leaves of ``tree`` (and the matching leaves of ``rest``)."""
-    return optree.tree_map(fn, tree, *rest)
+    _see(tree)
+    return optree.tree_map(fn, tree, *rest, namespace=_NAMESPACE)
 
 
-def check_tensor_leaves(tree: Any, root: str) -> None:
-    """Raises ``NonTensorLeafError`` naming the first leaf of ``tree`` that is not a tensor."""
+def check_tensor_leaves(tree: Any, root: str) -> bool:
+    """Raises ``NonTensorLeafError`` naming the first leaf of ``tree`` that is not a tensor. A
+    mapping among the leaves (a ``BatchEncoding`` inside a dict) is registered as a node first
+    (``_see``); returns whether one was, so that the caller flattens ``tree`` again."""
     leaves, _ = flatten(tree)
+    registered = False
+    while new := [leaf for leaf in leaves if isinstance(leaf, Mapping) and type(leaf) not in _MAPPINGS]:
+        for leaf in new:
+            _see(leaf)
+        registered = True
+        leaves, _ = flatten(tree)
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        return
+        return registered
     for path, leaf in zip(leaf_paths(tree, root), leaves):
+        if isinstance(leaf, Mapping):  # not a dict, not rebuildable from one, or nested (only a whole batch is)
+            raise NonTensorLeafError(
+                f"{path} is a {type(leaf).__name__}, a mapping fsg does not look into there; every leaf of {root} "
+                f"must be a torch.Tensor. Pass dict({path.split('.')[-1] if '.' in path else path}) instead (a plain "
+                f"dict of tensors)."
+            )
         if not isinstance(leaf, torch.Tensor):
             raise NonTensorLeafError(
                 f"{path} is a {type(leaf).__name__} ({leaf!r:.60}), but every leaf of {root} must "

@@ -183,6 +183,8 @@ class Step:
     def _signature(self, state: Any, batch: Any) -> tuple[Signature, list, list]:
         state_leaves, state_def = tree.flatten(state)
         batch_leaves, batch_def = tree.flatten(batch)
+        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves) and tree.check_tensor_leaves(batch, "batch"):
+            batch_leaves, batch_def = tree.flatten(batch)  # a mapping inside, seen for the first time: now a node
         if self._structure is not None:
             if state_def != self._structure[0]:
                 raise structure_error("state", self._structure[0], state)
@@ -195,8 +197,6 @@ class Step:
         else:
             tree.check_tensor_leaves(state, "state")
             state_specs = tree.leaf_specs(state_leaves)
-        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves):
-            tree.check_tensor_leaves(batch, "batch")
         signature = Signature(state_def, batch_def, state_specs, tree.leaf_specs(batch_leaves))
         return signature, state_leaves, batch_leaves
 
