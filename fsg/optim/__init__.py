@@ -9,6 +9,12 @@ from fsg._src.optim._base import GradientTransformation as GradientTransformatio
 from fsg._src.optim._base import apply_updates as apply_updates
 from fsg._src.optim._base import chain as chain
 from fsg._src.optim._base import global_norm as global_norm
+from fsg._src.optim._classic import ScaleByRmsState as ScaleByRmsState
+from fsg._src.optim._classic import ScaleByRssState as ScaleByRssState
+from fsg._src.optim._classic import adagrad as adagrad
+from fsg._src.optim._classic import rmsprop as rmsprop
+from fsg._src.optim._classic import scale_by_rms as scale_by_rms
+from fsg._src.optim._classic import scale_by_rss as scale_by_rss
 from fsg._src.optim._clipping import clip_by_global_norm as clip_by_global_norm
 from fsg._src.optim._multi import multi_transform as multi_transform
 from fsg._src.optim._multi import set_to_zero as set_to_zero
@@ -45,8 +51,11 @@ __all__ = [
     "ScaleByLearningRateState",
     "ScaleByLionState",
     "ScaleByMuonState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "adagrad",
     "adam",
     "adamw",
     "add_decayed_weights",
@@ -62,11 +71,14 @@ __all__ = [
     "multi_transform",
     "muon",
     "piecewise",
+    "rmsprop",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_muon",
+    "scale_by_rms",
+    "scale_by_rss",
     "scale_by_schedule",
     "set_to_zero",
     "sgd",

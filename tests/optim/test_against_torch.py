@@ -42,6 +42,22 @@ CASES = {
         lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, nesterov=True),
         lambda: fsg.optim.sgd(5e-2, momentum=0.9, nesterov=True),
     ),
+    "rmsprop": (
+        lambda p: torch.optim.RMSprop(p, lr=1e-3),
+        lambda: fsg.optim.rmsprop(1e-3),
+    ),
+    "rmsprop_centered_momentum_decay": (
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01),
+        lambda: fsg.optim.rmsprop(1e-3, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01),
+    ),
+    "adagrad": (
+        lambda p: torch.optim.Adagrad(p, lr=5e-2),
+        lambda: fsg.optim.adagrad(5e-2),
+    ),
+    "adagrad_lr_decay_initial_decay": (
+        lambda p: torch.optim.Adagrad(p, lr=5e-2, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01),
+        lambda: fsg.optim.adagrad(5e-2, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01),
+    ),
 }
 
 
