@@ -73,3 +73,20 @@ def param_groups_on_a_mesh(axes: dict, preset: str, muon: str = "adamw") -> bool
         state, _ = step(state, batch)
     after = state.params["2.weight"]
     return torch.equal(after.full_tensor() if hasattr(after, "full_tensor") else after, model[2].weight.detach())
+
+
+def lora_on_a_mesh(axes: dict, preset: str) -> None:
+    """A GPT-2 with PEFT LoRA adapters (its base frozen by PEFT), sharded under ``preset``, with
+    plain AdamW and with the frozen-group recipe: equal to the unsharded step."""
+    from tests.models.test_peft import VOCAB, _frozen_group, _lora_gpt2
+
+    model = _lora_gpt2()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"ids": torch.randint(0, VOCAB, (4, 16), generator=g)} for _ in range(3)]
+    for grouped in (False, True):
+        optimizer = fsg.optim.adamw(1e-2, weight_decay=0.1)
+        fsg.testing.assert_sharded_matches_unsharded(
+            lambda p, b: fsg.apply(model, p, input_ids=b["ids"], labels=b["ids"]).loss, fsg.params(model), batches,
+            fsg.testing.mesh(axes), optimizer=_frozen_group(model, optimizer) if grouped else optimizer,
+            param_sharding=preset_rules(preset), rtol=1e-4, atol=1e-5,
+        )  # fmt: skip

@@ -19,3 +19,10 @@ def test_param_groups_on_a_mesh(ranks, preset, first):
     """``fsg.optim.multi_transform`` sharded: equal to the unsharded step, the frozen group kept;
     Muon's orthogonalization of an FSDP-sharded matrix too."""
     assert all(ranks(2).run(frozen_workers.param_groups_on_a_mesh, {"dp": 2}, preset, first))
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_lora_adapters_on_a_mesh(ranks, preset):
+    """Hugging Face PEFT's LoRA (a frozen base, trained adapters) sharded equals unsharded."""
+    pytest.importorskip("peft")
+    ranks(2).run(frozen_workers.lora_on_a_mesh, {"dp": 2}, preset)
