@@ -845,6 +845,9 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     Case("torch.fft.rfft(dim=-1).abs()", "op", _on_hidden(lambda h, b: torch.fft.rfft(h, dim=-1).abs(), width=lambda s: s.H // 2 + 1, head="head"), tp=True),
     Case("torch.fft.fft over H then T, real part (FNet)", "op", _on_hidden(lambda h, b: torch.fft.fft(torch.fft.fft(h, dim=-1), dim=1).real, seq=True), tp=True),
     Case("view_as_complex(h) * polar(1, angles), view_as_real (complex RoPE)", "op", _on_hidden(_complex_rope, seq=True), tp=True),
+    # sampling (keyed by state.rng): REINFORCE-style estimators, sampled softmax
+    Case("torch.gather(h, torch.multinomial(softmax(h), H // 2, replacement=True))", "op", _on_hidden(lambda h, b: torch.gather(h, -1, torch.multinomial(torch.softmax(h.detach(), -1), h.shape[-1] // 2, replacement=True)), width=_half, head="head"), tp=True),
+    Case("torch.gather(h, torch.multinomial(softmax(h), H // 2)) without replacement", "op", _on_hidden(lambda h, b: torch.gather(h, -1, torch.multinomial(torch.softmax(h.detach(), -1), h.shape[-1] // 2)), width=_half, head="head"), tp=True),
 ]  # fmt: skip
 
 

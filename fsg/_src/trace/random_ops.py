@@ -124,3 +124,22 @@ def _normal_tensors(keys: Keyed, mean, std=1.0):
 def _normal_floats(keys: Keyed, mean, std, size, **kw):
     return normal(keys.bits(size, _device(kw)), _dtype(kw)) * std + mean
 
+
+
+@rewrite("multinomial.default")
+def _multinomial(keys: Keyed, weights: torch.Tensor, num_samples: int, replacement: bool = False) -> torch.Tensor:
+    """Category indices drawn with probability proportional to ``weights`` (``[n]`` or
+    ``[rows, n]``; what ``Categorical.sample()`` calls). With replacement (or one sample): the
+    inverse of the cumulative distribution at a keyed uniform (a category of weight 0 is never
+    drawn); without: Gumbel top-k, the ``num_samples`` largest ``log w + Gumbel`` (distinct
+    categories, drawn in order of their perturbed weight, as sequential sampling would)."""
+    shape = (*weights.shape[:-1], num_samples)
+    w = weights.to(compute_dtype(weights.dtype))
+    u = unit(keys.bits(shape, weights.device), w.dtype)
+    if replacement or num_samples == 1:
+        cdf = torch.cumsum(w, -1)
+        target = u * cdf[..., -1:]
+        index = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True)
+        return index.clamp(max=weights.shape[-1] - 1)
+    gumbel = -torch.log(-torch.log(unit(keys.bits(weights.shape, weights.device), w.dtype).clamp(min=1e-20)))
+    return torch.topk(torch.log(w) + gumbel, num_samples, dim=-1).indices
