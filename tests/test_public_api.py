@@ -17,9 +17,9 @@ def test_fsg_public_names():
 
 def test_optim_public_names():
     assert sorted(fsg.optim.__all__) == sorted([
-        "EmptyState", "GradientTransformation", "MaskedNode", "Schedule", "ScaleByAdamState",
+        "AdafactorState", "EmptyState", "GradientTransformation", "MaskedNode", "Schedule", "ScaleByAdamState",
         "ScaleByLearningRateState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState", "ScaleByRssState", "ScaleByScheduleState", "TraceState",
-        "adagrad", "adam", "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
+        "adafactor", "adagrad", "adam", "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
         "constant", "cosine", "global_norm", "learning_rate", "linear", "lion", "multi_transform", "muon",
         "piecewise", "rmsprop", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss",
         "scale_by_schedule", "set_to_zero", "sgd", "trace", "warmup_cosine",

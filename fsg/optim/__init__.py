@@ -1,5 +1,7 @@
 """Optax-style optimizers: ``GradientTransformation(init, update)``, transforms and schedules."""
 
+from fsg._src.optim._adafactor import AdafactorState as AdafactorState
+from fsg._src.optim._adafactor import adafactor as adafactor
 from fsg._src.optim._alias import adam as adam
 from fsg._src.optim._alias import adamw as adamw
 from fsg._src.optim._alias import lion as lion
@@ -43,6 +45,7 @@ from fsg._src.optim._transforms import trace as trace
 from fsg._src.tree import MaskedNode as MaskedNode
 
 __all__ = [
+    "AdafactorState",
     "EmptyState",
     "GradientTransformation",
     "MaskedNode",
@@ -55,6 +58,7 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByScheduleState",
     "TraceState",
+    "adafactor",
     "adagrad",
     "adam",
     "adamw",

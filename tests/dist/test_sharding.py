@@ -62,6 +62,12 @@ def test_presets_on_a_transformer_match_unsharded(ranks, world, axes, preset):
     assert ranks(world).run(workers.check_gpt_preset, axes, preset) == [0] * world
 
 
+@pytest.mark.parametrize("world, axes, preset", [(2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp")])
+def test_adafactor_on_a_transformer_matches_unsharded(ranks, world, axes, preset):
+    """Adafactor's factored moments (row and column factors of each matrix) sharded."""
+    ranks(world).run(workers.check_gpt_preset, axes, preset, None, "adafactor")
+
+
 @pytest.mark.parametrize("preset", ["dp", "fsdp"])
 def test_weighted_accumulation_on_a_mesh_matches_unsharded(ranks, preset):
     ranks(2).run(workers.check_weighted_accumulation, {"dp": 2}, preset)
@@ -73,7 +79,7 @@ def test_weighted_accumulation_on_a_mesh_matches_unsharded(ranks, preset):
 def test_muon_and_adamw_groups_on_a_transformer_match_unsharded(ranks, world, axes, preset):
     """Muon's orthogonalization of sharded matrices (FSDP rows, tensor-parallel columns or
     rows, both) equals the unsharded step: each rank orthogonalizes the gathered matrix."""
-    ranks(world).run(workers.check_gpt_preset, axes, preset, None, True)
+    ranks(world).run(workers.check_gpt_preset, axes, preset, None, "muon")
     ranks(world).run(workers.verify_muon, axes, preset)
 
 

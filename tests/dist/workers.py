@@ -115,15 +115,23 @@ def verify_muon(axes: dict, preset: str) -> None:
     step(step.init(fsg.params(model)), gpt_batches(1)[0])
 
 
-def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = None, muon: bool = False) -> int:
-    """Sharded == unsharded for a preset (AdamW, or ``muon_groups()``); returns how many fused
+OPTIMIZERS = {
+    "adamw": lambda: fsg.optim.adamw(1e-2, weight_decay=0.1),
+    "muon": muon_groups,
+    "adafactor": lambda: fsg.optim.adafactor(1e-2, weight_decay=0.01),
+}
+
+
+def check_gpt_preset(axes: dict, preset: str, fused_optimizer: bool | None = None, optimizer: str = "adamw") -> int:
+    """Sharded == unsharded for a preset, with one of ``OPTIMIZERS``; returns how many fused
     AdamW nodes the sharded step's graph has."""
+    muon = optimizer == "muon"
     rules = preset_rules(preset)
     model = tiny_gpt()
     batch_spec = fsg.P("dp") if "dp" in axes else fsg.P()
     fsg.testing.assert_sharded_matches_unsharded(
         gpt_loss(model), fsg.params(model), gpt_batches(), fsg.testing.mesh(axes),
-        optimizer=muon_groups() if muon else fsg.optim.adamw(1e-2, weight_decay=0.1),
+        optimizer=OPTIMIZERS[optimizer](),
         param_sharding=rules, batch_sharding=batch_spec, rtol=1e-4, atol=MUON_SPREAD if muon else 1e-5,
         fused_optimizer=fused_optimizer,
     )  # fmt: skip

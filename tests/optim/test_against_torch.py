@@ -50,6 +50,14 @@ CASES = {
         lambda p: torch.optim.RMSprop(p, lr=1e-3, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01),
         lambda: fsg.optim.rmsprop(1e-3, alpha=0.9, momentum=0.9, centered=True, weight_decay=0.01),
     ),
+    "adafactor": (
+        lambda p: torch.optim.Adafactor(p, lr=1e-2),
+        lambda: fsg.optim.adafactor(1e-2),
+    ),
+    "adafactor_options": (
+        lambda p: torch.optim.Adafactor(p, lr=5e-2, beta2_decay=-0.5, eps=(1e-20, 1e-2), d=2.0, weight_decay=0.01),
+        lambda: fsg.optim.adafactor(5e-2, beta2_decay=-0.5, eps=(1e-20, 1e-2), d=2.0, weight_decay=0.01),
+    ),
     "adagrad": (
         lambda p: torch.optim.Adagrad(p, lr=5e-2),
         lambda: fsg.optim.adagrad(5e-2),

@@ -14,6 +14,7 @@ OPTIMIZERS = {
     "adamw_masked": lambda: fsg.optim.adamw(
         0.05, weight_decay=0.1, mask=lambda p: {k: v.ndim >= 2 for k, v in p.items()}
     ),
+    "adafactor": lambda: fsg.optim.adafactor(0.1),
     "rmsprop": lambda: fsg.optim.rmsprop(0.01, momentum=0.5),
     "adagrad": lambda: fsg.optim.adagrad(0.2),
     "lion": lambda: fsg.optim.lion(0.03, weight_decay=0.0),
