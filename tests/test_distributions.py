@@ -77,9 +77,17 @@ def test_a_vae_draws_from_the_steps_key_and_learns():
     assert sum(losses[-10:]) < sum(losses[:10])
 
 
-def test_the_default_value_checks_come_back_after_the_trace():
-    model = _VAE()
-    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b), optimizer=fsg.optim.adam(1e-2), backend="eager")
-    step(step.init(fsg.params(model)), torch.randn(4, 8))
-    with pytest.raises(ValueError, match="scale"):
-        D.Normal(torch.zeros(2), -torch.ones(2))  # eager: still checked
+@pytest.mark.parametrize("default", [True, False])
+def test_the_default_value_checks_come_back_after_the_trace(default):
+    saved = D.Distribution._validate_args
+    D.Distribution.set_default_validate_args(default)
+    try:
+        model = _VAE()
+        step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b), optimizer=fsg.optim.adam(1e-2), backend="eager")
+        step(step.init(fsg.params(model)), torch.randn(4, 8))  # traced with the checks off
+        assert D.Distribution._validate_args is default
+        if default:
+            with pytest.raises(ValueError, match="scale"):
+                D.Normal(torch.zeros(2), -torch.ones(2))  # eager: still checked
+    finally:
+        D.Distribution.set_default_validate_args(saved)

@@ -171,7 +171,7 @@ def inductor_options(axes: dict | None) -> object:
     state = step.init(fsg.params(model))
     batch = regression_batch(n=16)
     signature = step._signature(state, batch)[0]
-    return step._compile(signature, state, batch).fn._options
+    return step._compile((signature, step._flags.now()), state, batch).fn._options
 
 
 def collectives_of(axes: dict, preset: str, model_name: str = "mlp", bucket_mb=None) -> list[tuple]:
