@@ -56,30 +56,26 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], param
     for label, t in transforms.items():
         check_transformation(f"multi_transform(transforms=...)[{label!r}]", t)
 
-    def groups(like: Any) -> tuple[dict[Hashable, Any], list[Hashable]]:
-        """For each label carried: a function giving a tree shaped like ``like`` (params or
-        updates) with that group's leaves and the rest masked."""
-        labels = _labels(param_labels, like, transforms)
-        treedef = tree.flatten(like)[1]
-
-        def masked(t: Any, label: Hashable) -> Any:
-            return tree.unflatten(treedef, [x if lab == label else MaskedNode() for x, lab in zip(tree.flatten(t)[0], labels)])
-
-        return {label: (lambda t, label=label: masked(t, label)) for label in dict.fromkeys(labels)}, labels
+    def masked(leaves: list[Any], treedef: Any, labels: list[Hashable], label: Hashable) -> Any:
+        """The tree of ``leaves`` with the leaves of other groups than ``label`` masked."""
+        return tree.unflatten(treedef, [x if lab == label else MaskedNode() for x, lab in zip(leaves, labels)])
 
     def init(params: Any) -> dict:
-        masks, _ = groups(params)
-        return {label: transforms[label].init(mask(params)) for label, mask in masks.items()}
+        leaves, treedef = tree.flatten(params)
+        labels = _labels(param_labels, params, transforms)
+        return {label: transforms[label].init(masked(leaves, treedef, labels, label)) for label in dict.fromkeys(labels)}
 
     def update(updates: Any, state: dict, params: Any = None) -> tuple[Any, dict]:
-        masks, labels = groups(updates)
         leaves, treedef = tree.flatten(updates)
-        new_state = {}
-        for label, mask in masks.items():  # each group's updates replace its leaves
-            inner, new_state[label] = transforms[label].update(mask(updates), state[label], None if params is None else mask(params))
+        labels = _labels(param_labels, updates, transforms)
+        param_leaves = None if params is None else tree.flatten(params)[0]
+        new_leaves, new_state = list(leaves), {}
+        for label in dict.fromkeys(labels):  # in order of first use; each group's updates replace its leaves
+            group_params = None if params is None else masked(param_leaves, treedef, labels, label)
+            inner, new_state[label] = transforms[label].update(masked(leaves, treedef, labels, label), state[label], group_params)
             ours = iter(tree.flatten(inner)[0])
-            leaves = [next(ours) if lab == label else x for x, lab in zip(leaves, labels)]
-        return tree.unflatten(treedef, leaves), new_state
+            new_leaves = [next(ours) if lab == label else x for x, lab in zip(new_leaves, labels)]
+        return tree.unflatten(treedef, new_leaves), new_state
 
     return GradientTransformation(init, update)
 

@@ -51,8 +51,9 @@ class Mean:
         """``(loss, aux, gradients)``: the (weighted) means; a gradient no microbatch had is ``None``."""
         if self._total is None and self._count == 1:
             return self._loss, self._aux, self._grads
-        d = self._count if self._total is None else self._total
-        div = (lambda t: t / d) if self._total is None else (lambda t: t / d.to(t.dtype))  # noqa: E731
+        def div(t: torch.Tensor) -> torch.Tensor:
+            return t / self._count if self._total is None else t / self._total.to(t.dtype)
+
         return div(self._loss), {k: div(v) for k, v in self._aux.items()}, [None if g is None else div(g) for g in self._grads]
 
 
