@@ -6,7 +6,8 @@ Two models: a tiny MLP, where per-step overhead dominates, and the example's cha
 Each row is the median of ``--iters`` timed steps after ``--warmup`` steps. The eager loop
 uses ``torch.optim.AdamW(foreach=True)`` with the same hyperparameters, zero_grad(set_to_none)
 and ``loss.backward()``. "fsg wrapper" is the Python work ``Step.__call__`` does besides running
-the graph (flattening state and batch, checking the batch signature), timed on its own.
+the graph (flattening state and batch, checking the batch signature, reading the recorded
+modules' train/eval and ``requires_grad`` flags), timed on its own; "of which flags" the last.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ def bench(name, make, warmup, iters):
             holder[0], _ = step(holder[0], batch)
 
         ms = median_ms(fsg_step, warmup, iters)
-        # The Python work of Step.__call__ besides the graph: flatten + signature check.
-        wrapper = median_ms(lambda: step._signature(holder[0], batch), warmup, iters)
-        rows.append((name, f"fsg ({backend})", ms, (compile_s, wrapper)))
+        # The Python work of Step.__call__ besides the graph: flatten + signature check + module flags.
+        wrapper = median_ms(lambda: (step._signature(holder[0], batch), step._flags.now()), warmup, iters)
+        flags = median_ms(step._flags.now, warmup, iters)
+        rows.append((name, f"fsg ({backend})", ms, (compile_s, wrapper, flags)))
     return rows, eager
 
 
@@ -101,16 +103,18 @@ def main():
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")  # fmt: skip
     print()
     print(
-        "| model | implementation | step (ms, median) | eager / this | first call incl. compile (s) | fsg wrapper (ms) |"
+        "| model | implementation | step (ms, median) | eager / this | first call incl. compile (s) | fsg wrapper (ms) "
+        "| of which flags (ms) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for name, make in (("MLP 64x3, batch 32", make_mlp), ("char GPT 0.6M, 32x64 tokens", make_gpt)):
         rows, eager = bench(name, make, args.warmup, args.iters)
         for model, impl, ms, extra in rows:
-            compile_s, wrapper = extra if extra else (None, None)
+            compile_s, wrapper, flags = extra if extra else (None, None, None)
             print(
                 f"| {model} | {impl} | {ms:.3f} | {eager / ms:.2f}x | "
-                f"{'' if compile_s is None else f'{compile_s:.1f}'} | {'' if wrapper is None else f'{wrapper:.3f}'} |"
+                f"{'' if compile_s is None else f'{compile_s:.1f}'} | {'' if wrapper is None else f'{wrapper:.3f}'} | "
+                f"{'' if flags is None else f'{flags:.4f}'} |"
             )
 
 

@@ -11,7 +11,7 @@ unfrozen, the next call traces the step again (with a ``RecompileWarning``, or a
 ``RecompileError`` under ``strict=True``), and switching back reuses the graph already built.
 
 The check costs one attribute read per submodule and per parameter of the recorded modules
-(lists built once, at the trace): 65 us for a thousand of each on a 2-core CPU.
+(lists built once, at the trace); benchmarks/step_overhead.py times it.
 The step holds the recorded modules (as its loss function does, which runs them).
 """
 
