@@ -647,6 +647,11 @@ def _hidden_keep(s: Sizes, gen: torch.Generator) -> Batch:
     return {"keep": _lengths_mask(gen, s.B, s.H)}
 
 
+def _mixup(h: torch.Tensor) -> torch.Tensor:
+    lam = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4)).sample()
+    return lam * h + (1 - lam) * h[torch.randperm(h.shape[0])]
+
+
 def _complex_rope(h: torch.Tensor, b: Batch) -> torch.Tensor:
     """Rotary embedding as Meta's Llama and torchtitan write it: pairs of ``h``'s features as
     complex numbers, rotated by ``polar(1, t * freq)``."""
@@ -848,6 +853,8 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     # sampling (keyed by state.rng): REINFORCE-style estimators, sampled softmax
     Case("torch.gather(h, torch.multinomial(softmax(h), H // 2, replacement=True))", "op", _on_hidden(lambda h, b: torch.gather(h, -1, torch.multinomial(torch.softmax(h.detach(), -1), h.shape[-1] // 2, replacement=True)), width=_half, head="head"), tp=True),
     Case("torch.gather(h, torch.multinomial(softmax(h), H // 2)) without replacement", "op", _on_hidden(lambda h, b: torch.gather(h, -1, torch.multinomial(torch.softmax(h.detach(), -1), h.shape[-1] // 2)), width=_half, head="head"), tp=True),
+    Case("mixup: Beta(0.4, 0.4) weight, rows of h shuffled by torch.randperm(B)", "op", _pointwise(_mixup), tp=True),
+    Case("F.rrelu(training=True)", "op", _pointwise(lambda h: F.rrelu(h, training=True)), tp=True),
 ]  # fmt: skip
 
 

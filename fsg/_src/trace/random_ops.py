@@ -143,3 +143,79 @@ def _multinomial(keys: Keyed, weights: torch.Tensor, num_samples: int, replaceme
         return index.clamp(max=weights.shape[-1] - 1)
     gumbel = -torch.log(-torch.log(unit(keys.bits(weights.shape, weights.device), w.dtype).clamp(min=1e-20)))
     return torch.topk(torch.log(w) + gumbel, num_samples, dim=-1).indices
+
+
+@rewrite("randperm.default", "randperm.generator")
+def _randperm(keys: Keyed, n, **kw):
+    """A permutation of ``0..n-1``: the order of ``n`` keyed 64-bit words (distinct but with
+    probability ``n**2 / 2**65``; a tie keeps index order), uniform over the permutations."""
+    order = torch.argsort(keys.bits((n,), _device(kw)), stable=True)
+    return order.to(kw.get("dtype") or torch.int64)
+
+
+def _geometric(z, dtype, p):
+    """The number of Bernoulli(``p``) trials to the first success (1, 2, ...): inverse CDF."""
+    u = 1.0 - unit(z, compute_dtype(dtype))  # (0, 1]
+    return torch.ceil(torch.log(u) / math.log1p(-p) if p < 1 else torch.zeros_like(u)).clamp(min=1).to(dtype)
+
+
+rewrite("geometric.default")(lambda keys, x, p: _geometric(keys.bits(x.shape, x.device), x.dtype, p))
+rewrite("geometric_.default")(lambda keys, x, p: x.copy_(_geometric(keys.bits(x.shape, x.device), x.dtype, p)))
+
+
+def _rrelu_noise(keys: Keyed, x, lower, upper):
+    """RReLU's slopes in training: uniform in ``[lower, upper]`` where ``x <= 0``, 1 elsewhere."""
+    slope = _uniform(keys.bits(x.shape, x.device), compute_dtype(x.dtype), lower, upper).to(x.dtype)
+    return torch.where(x <= 0, slope, torch.ones_like(slope))
+
+
+@rewrite("rrelu_with_noise.default")
+def _rrelu(keys: Keyed, x, noise, lower=1 / 8, upper=1 / 3, training=False):
+    noise.copy_(_rrelu_noise(keys, x, lower, upper))  # rrelu_with_noise_backward reads it
+    return x * noise
+
+
+@rewrite("rrelu_with_noise_.default")
+def _rrelu_(keys: Keyed, x, noise, lower=1 / 8, upper=1 / 3, training=False):
+    noise.copy_(_rrelu_noise(keys, x, lower, upper))
+    return x.mul_(noise)
+
+
+@rewrite("rrelu_with_noise_functional.default")
+def _rrelu_functional(keys: Keyed, x, noise, lower=1 / 8, upper=1 / 3, training=False):
+    new_noise = _rrelu_noise(keys, x, lower, upper)
+    return x * new_noise, new_noise
+
+
+GAMMA_CANDIDATES = 16  # Marsaglia-Tsang accepts each with probability >= 0.95: all 16 fail < 1e-20
+
+
+@rewrite("_standard_gamma.default")
+def _standard_gamma(keys: Keyed, alpha: torch.Tensor) -> torch.Tensor:
+    """Gamma(``alpha``, 1) draws (what ``Gamma``, ``Beta``, ``Dirichlet``, ``Chi2``, ``StudentT``
+    sample; their gradients are aten's): Marsaglia and Tsang's squeeze method over
+    ``GAMMA_CANDIDATES`` keyed candidates per element, the first accepted taken, and for
+    ``alpha < 1`` the boost ``Gamma(alpha + 1) * U ** (1 / alpha)``."""
+    dtype = compute_dtype(alpha.dtype)
+    a = alpha.to(dtype)
+    boosted = torch.where(a < 1, a + 1, a)
+    d = (boosted - 1.0 / 3.0).unsqueeze(-1)
+    c = 1.0 / torch.sqrt(9.0 * d)
+    shape = (*alpha.shape, GAMMA_CANDIDATES)
+    x = normal(keys.bits(shape, alpha.device), dtype)
+    u = 1.0 - unit(keys.bits(shape, alpha.device), dtype)  # (0, 1]
+    v = (1.0 + c * x) ** 3
+    ok = (v > 0) & (torch.log(u) < 0.5 * x * x + d - d * v + d * torch.log(v.clamp(min=1e-30)))
+    first = torch.argmax(ok.to(torch.int8), dim=-1, keepdim=True)  # the first accepted candidate
+    draw = torch.gather(d * v, -1, first).squeeze(-1)
+    boost = (1.0 - unit(keys.bits(alpha.shape, alpha.device), dtype)) ** (1.0 / a)
+    draw = torch.where(a < 1, draw * boost, draw)
+    return draw.clamp(min=torch.finfo(alpha.dtype).tiny).to(alpha.dtype)
+
+
+@rewrite("_sample_dirichlet.default")
+def _sample_dirichlet(keys: Keyed, alpha: torch.Tensor) -> torch.Tensor:
+    """Dirichlet(``alpha``) draws along the last dim (``Beta`` samples through it): normalized
+    Gamma draws."""
+    g = _standard_gamma(keys, alpha)
+    return g / g.sum(-1, keepdim=True)
