@@ -56,9 +56,9 @@ OUTPUTS = {
 FUSE_PRODUCERS = True
 FUSED_PRODUCERS = frozenset(FUSED_OPS)
 # a rowwise operand a layer norm writes: the norm and its cast in one kernel (one read of the
-# norm's input). Off until measured on the H200 (benchmarks/gpt.py's fsg-fp8-row-ln against
-# fsg-fp8-row; RESULTS.md, ninth session: 6.8 ms of Inductor's casts a step at GPT-2 355M, most
-# of them in the layer norms' kernels)
+# norm's input). Off: measured on the H200 (RESULTS.md, 2026-12-05) 71.13-71.16 against 71.21 ms
+# at GPT-2 355M (fsg-fp8-row-fastgi-ln against -fastgi), 0.8 GiB lower peak; the residual add
+# Inductor fused into each norm becomes its own kernel (1.08 ms a step) until the kernel takes it
 FUSE_LAYER_NORMS = False
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
