@@ -84,8 +84,9 @@ Implementations (--impl):
             the grad-input matmuls accumulate in the tensor cores' fast accumulator too;
             + -fastall: the grad-weights too (e.g. fsg-fp8-row-gw-fastgi)
   any fsg-fp8-row implementation + -ln   with FUSE_LAYER_NORMS on: each layer norm an FP8
-            matmul reads casts its output in its own kernel (fsg::layer_norm_fp8), not
-            Inductor's (e.g. fsg-fp8-row-fastgi-ln; off by default until measured)
+            matmul reads casts its output in its own kernel (fsg::layer_norm_fp8; a norm of a
+            residual add takes the add too, fsg::add_layer_norm_fp8), not Inductor's (e.g.
+            fsg-fp8-row-fastgi-ln; off by default: RESULTS.md, 2026-12-05)
 """
 
 from __future__ import annotations

@@ -624,7 +624,8 @@ def test_column_amax_fusion_equals_the_unfused_step_over_blocks(block, bias, lea
 def test_layer_norm_fusion_equals_the_unfused_step(monkeypatch):
     """``FUSE_LAYER_NORMS`` (off by default until measured): each layer norm whose output an FP8
     matmul reads (a block's ``ln_1`` before ``qkv``, ``ln_2`` before ``fc``; not ``ln_f``, whose
-    head stays bf16) becomes ``fsg::layer_norm_fp8``, its backward reads the op's statistics,
+    head stays bf16) becomes ``fsg::layer_norm_fp8``, or ``fsg::add_layer_norm_fp8`` with the
+    residual add it normalizes, its backward reads the op's statistics,
     and the step is the unfused one: on CPU the op runs the same aten ops, bit for bit."""
     batches = _gpt_batches(3)
     runs = {}
@@ -632,7 +633,10 @@ def test_layer_norm_fusion_equals_the_unfused_step(monkeypatch):
         monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", fuse)
         step, state = _gpt_step(ROWWISE_POLICY)
         counts = step.lower(state, batches[0]).op_counts()
-        assert counts.get("fsg.layer_norm_fp8", 0) == (2 * GPT_CFG.n_layer if fuse else 0)
+        fused = counts.get("fsg.layer_norm_fp8", 0) + counts.get("fsg.add_layer_norm_fp8", 0)
+        assert fused == (2 * GPT_CFG.n_layer if fuse else 0)
+        # every block norm but the first reads a residual add (the first reads tok + pos, broadcast)
+        assert counts.get("fsg.add_layer_norm_fp8", 0) == (2 * GPT_CFG.n_layer - 1 if fuse else 0)
         assert counts["aten.native_layer_norm"] == (1 if fuse else 2 * GPT_CFG.n_layer + 1)
         assert counts["aten.native_layer_norm_backward"] == 2 * GPT_CFG.n_layer + 1
         runs[fuse] = _losses_and_state(step, state, batches)
@@ -644,30 +648,41 @@ class _NormThenLinear(nn.Module):
     """A layer norm (affine or not, with or without bias, over the last dim or the last two)
     whose output a linear layer reads, and maybe a residual too."""
 
-    def __init__(self, width, lead, affine, bias, reread, over_two):
+    def __init__(self, width, lead, affine, bias, reread, over_two, residual=None):
         super().__init__()
         shape = (lead[-1], width) if over_two else (width,)
         self.norm = nn.LayerNorm(shape, elementwise_affine=affine, bias=bias)
         self.proj, self.reread = nn.Linear(width, width), reread
+        self.residual = residual  # None; "add": the norm of x + f(x); "read first": the sum read before it
+        self.f = nn.Linear(width, width)
 
     def forward(self, x):
+        extra = 0
+        if self.residual:
+            x = x + self.f(x)
+            extra = x.tanh() if self.residual == "read first" else 0
         h = self.norm(x)
-        return self.proj(h) + h if self.reread else self.proj(h)
+        out = self.proj(h) + h if self.reread else self.proj(h)
+        return out + x + extra if self.residual else out
 
 
-@settings(max_examples=8, deadline=None)
-@example(True, True, True, (2, 16), False)  # GPT's pre-norm with its residual read
-@given(st.booleans(), st.booleans(), st.booleans(), st.sampled_from([(32,), (2, 16)]), st.booleans())
-def test_layer_norm_fusion_equals_the_unfused_step_over_norms(affine, bias, reread, lead, over_two):
+@settings(max_examples=10, deadline=None)
+@example(True, True, True, (2, 16), False, "add")  # GPT's pre-norm of the residual stream
+@given(st.booleans(), st.booleans(), st.booleans(), st.sampled_from([(32,), (2, 16)]), st.booleans(),
+       st.sampled_from([None, "add", "read first"]))  # fmt: skip
+def test_layer_norm_fusion_equals_the_unfused_step_over_norms(affine, bias, reread, lead, over_two, residual):
     """Over layer norms with and without weight or bias, read by a second op or not, on 2-D or
-    3-D activations: the norm is fused where it normalizes the matmul's rows (its last dim), and
-    left as it was where it normalizes more (``over_two``); the step is the unfused one."""
+    3-D activations, of a residual add or not: the norm is fused where it normalizes the
+    matmul's rows (its last dim), and left as it was where it normalizes more (``over_two``);
+    the add joins it unless the sum is read before the norm; the step is the unfused one."""
     over_two = over_two and len(lead) == 2
     width = 32
     (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
-        lambda: _NormThenLinear(width, lead, affine, bias, reread, over_two), width, lead, "FUSE_LAYER_NORMS"
+        lambda: _NormThenLinear(width, lead, affine, bias, reread, over_two, residual), width, lead, "FUSE_LAYER_NORMS"
     )
-    assert fused_text.count("fsg.layer_norm_fp8.default(") == (0 if over_two else 1)
+    with_add = fused_text.count("fsg.add_layer_norm_fp8.default(")
+    assert with_add == (1 if residual == "add" and not over_two else 0)
+    assert fused_text.count("fsg.layer_norm_fp8.default(") + with_add == (0 if over_two else 1)
     assert "fsg.layer_norm_fp8" not in plain_text
     assert fused_loss == plain_loss
     _states_equal(fused, plain)

@@ -328,22 +328,42 @@ def test_layer_norm_fp8_kernel_matches_the_unfused_ops(shape, affine):
     torch.testing.assert_close(inv, inv_ref, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200)])
+def test_add_layer_norm_fp8_writes_the_bf16_sum_and_normalizes_it(shape):
+    """``fsg::add_layer_norm_fp8``: the sum bit for bit the bf16 add's, the rest as
+    ``fsg::layer_norm_fp8`` of that sum."""
+    from fsg._src.kernels import layer_norm_fp8 as L
+
+    g_ = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(shape, generator=g_, device="cuda").bfloat16() for _ in range(2))
+    w, b = torch.ones(shape[-1], device="cuda").bfloat16(), torch.zeros(shape[-1], device="cuda").bfloat16()
+    s, y, mean, rstd, q, inv = L.add_layer_norm_fp8(x, r, w, b, 1e-5)
+    assert torch.equal(s, x + r)
+    y_ref, mean_ref, rstd_ref, q_ref, inv_ref = L.layer_norm_fp8(x + r, w, b, 1e-5)
+    assert torch.equal(y, y_ref) and torch.equal(inv, inv_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 @needs_fp8
 def test_rowwise_gpt_step_with_fused_layer_norms_equals_the_unfused_step(monkeypatch):
     """Inductor + graph replay: the step whose layer norms cast their outputs in
-    ``fsg::layer_norm_fp8`` tracks the one where Inductor fuses those casts itself."""
+    ``fsg::layer_norm_fp8`` (and ``fsg::add_layer_norm_fp8``, the residual add inside) tracks
+    the one where Inductor fuses those casts itself."""
     from fsg._src.passes import float8_fuse
 
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = _cuda(_gpt_batches(6))
     runs = {}
-    for fuse in (True, False):
+    for fuse, adds in ((True, True), (True, False), (False, False)):
         monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", fuse)
+        monkeypatch.setattr(float8_fuse, "FUSE_RESIDUAL_ADDS", adds)
         step, state = _gpt(policy)
         text = step.lower(state, batches[0]).as_text()
-        assert text.count("fsg.layer_norm_fp8.default(") == (2 * GPT_CFG.n_layer if fuse else 0)
-        runs[fuse] = []
+        with_add = text.count("fsg.add_layer_norm_fp8.default(")
+        assert with_add == (2 * GPT_CFG.n_layer - 1 if adds else 0)
+        assert text.count("fsg.layer_norm_fp8.default(") + with_add == (2 * GPT_CFG.n_layer if fuse else 0)
+        runs[(fuse, adds)] = []
         for b in batches:
             state, m = step(state, b)
-            runs[fuse].append(float(m["loss"]))
-    assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs
+            runs[(fuse, adds)].append(float(m["loss"]))
+    for fused in ((True, True), (True, False)):
+        assert max(abs(a - b) for a, b in zip(runs[fused], runs[(False, False)])) < 0.02, runs

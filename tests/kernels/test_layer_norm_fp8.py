@@ -50,6 +50,39 @@ def test_kernel_writes_every_output_and_matches_the_unfused_ops(m, n, has_w, has
 
 
 @needs_triton
+@KERNEL
+@given(st.integers(1, 40), st.integers(1, 200), st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1))
+def test_kernel_with_a_residual_writes_the_sum_and_normalizes_it(m, n, affine, rows, seed):
+    """``LN(x + r)``: the sum written (the residual stream's next value) and every output as the
+    unfused ops give them for that sum."""
+    g_ = torch.Generator().manual_seed(seed)
+    x, r = torch.randn(m, n, generator=g_) * 2, torch.randn(m, n, generator=g_) + 0.5
+    w, b = (torch.randn(n, generator=g_), torch.randn(n, generator=g_)) if affine else (None, None)
+    s, y, q = (torch.full((m, n), float("nan")) for _ in range(3))
+    mean, rstd, inv = (torch.full(shape, float("nan")) for shape in ((m,), (m,), (m, 1)))
+    L.launch(x, w, b, y, mean, rstd, q, inv, 1e-5, RowTiling(m, n, rows=rows, iters=2), r_MN=r, s_MN=s)
+    assert torch.equal(s, x + r)
+    y_ref, mean_ref, rstd_ref, _, inv_ref = L.layer_norm_fp8_reference(x + r, w, b, 1e-5)
+    assert (y - y_ref).abs().max() < 1e-4 * max(1.0, float(y_ref.abs().max()))
+    assert rel(mean, mean_ref.reshape(m)) < 1e-5 and rel(inv, inv_ref) < 1e-3
+
+
+@needs_triton
+def test_the_residual_op_on_half_precision_equals_the_add_then_the_norm():
+    x, r = torch.randn(3, 5, 40, dtype=torch.float16), torch.randn(3, 5, 40, dtype=torch.float16)
+    w, b = torch.randn(40, dtype=torch.float16), torch.randn(40, dtype=torch.float16)
+    got = L.add_layer_norm_fp8(x, r, w, b, 1e-5)
+    want = (x + r, *L.layer_norm_fp8_reference(x + r, w, b, 1e-5))
+    assert torch.equal(got[0], want[0])
+    for a, e in zip(got[1:], want[1:]):
+        assert a.dtype == e.dtype and a.shape == e.shape
+    with torch._subclasses.FakeTensorMode():  # the fake's outputs are the real op's
+        fake = torch.ops.fsg.add_layer_norm_fp8(torch.empty(3, 5, 40, dtype=torch.float16),
+                                                 torch.empty(3, 5, 40, dtype=torch.float16), None, None, 1e-5)  # fmt: skip
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in got]
+
+
+@needs_triton
 def test_the_op_on_a_3d_half_precision_input_launches_the_kernel():
     """The registered op flattens ``[B, T, N]`` to rows; its statistics come back in the
     dtype and shape ``aten.native_layer_norm`` gives on the device (CPU: the input's)."""

@@ -30,11 +30,13 @@ DTYPES = (torch.bfloat16, torch.float16)  # the output dtypes the pass fuses (an
 
 @triton.jit
 def _layer_norm_fp8_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, q_ptr, inv_ptr, M, N, eps, fp8_max, amax_eps,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, q_ptr, inv_ptr, M, N, eps, fp8_max, amax_eps,
+    HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """``ITERS`` tiles of ``ROWS`` rows a program: statistics in float32, ``y`` stored in its
-    dtype, its rounded values' row maxima, scales and FP8 copy."""
+    """``ITERS`` tiles of ``ROWS`` rows a program: with ``HAS_R`` the sum ``x + r`` first, stored
+    in ``x``'s dtype and normalized as stored; statistics in float32, ``y`` stored in its dtype,
+    its rounded values' row maxima, scales and FP8 copy."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < N
@@ -45,7 +47,11 @@ def _layer_norm_fp8_kernel(
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows[:, None] * N + cols[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_R:  # the residual add, rounded as the graph's add rounds it
+            x = (x.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(s_ptr + offs, x, mask=mask)
+        x = x.to(tl.float32)
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
@@ -65,14 +71,19 @@ def _layer_norm_fp8_kernel(
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def launch(x_MN, w, b, y_MN, mean_M, rstd_M, q_MN, inv_M, eps: float, t: RowTiling | None = None) -> None:
-    """Writes into the given outputs (``w``, ``b``: ``[N]`` or ``None``). ``q_MN`` is scaled
-    for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32)."""
+def launch(
+    x_MN, w, b, y_MN, mean_M, rstd_M, q_MN, inv_M, eps: float, t: RowTiling | None = None, r_MN=None, s_MN=None
+) -> None:
+    """Writes into the given outputs (``w``, ``b``: ``[N]`` or ``None``; with ``r_MN``, the
+    norm is of ``x + r``, written to ``s_MN``). ``q_MN`` is scaled for ``float8_e4m3fn``
+    whatever its dtype (the CPU tests pass float32)."""
     M, N = x_MN.shape
     t = t or tiling(M, N)
+    has_r = r_MN is not None
     _layer_norm_fp8_kernel[(t.programs,)](
-        x_MN, x_MN if w is None else w, x_MN if b is None else b, y_MN, mean_M, rstd_M, q_MN, inv_M, M, N, eps,
-        float(torch.finfo(E4M3).max), EPS, HAS_W=w is not None, HAS_B=b is not None,
+        x_MN, r_MN if has_r else x_MN, s_MN if has_r else x_MN, x_MN if w is None else w, x_MN if b is None else b,
+        y_MN, mean_M, rstd_M, q_MN, inv_M, M, N, eps,
+        float(torch.finfo(E4M3).max), EPS, HAS_R=has_r, HAS_W=w is not None, HAS_B=b is not None,
         ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
     )  # fmt: skip
 
@@ -120,3 +131,32 @@ def _(x, weight, bias, eps):
     M = x.numel() // x.shape[-1] if x.shape[-1] else 0
     q = torch.empty((M, x.shape[-1]), dtype=E4M3, device=x.device)
     return y, mean, rstd, q, torch.empty((M, 1), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("fsg::add_layer_norm_fp8", mutates_args=())
+def add_layer_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (a residual stream's add) and ``layer_norm_fp8(s, ...)`` in one read
+    of ``x`` and ``residual``: ``(s, y, mean, rstd, q, inv)``."""
+    if not use_triton(x) or x.dtype not in DTYPES or residual.dtype != x.dtype or residual.shape != x.shape:
+        s = x + residual
+        return (s, *layer_norm_fp8_reference(s, weight, bias, eps))
+    N = x.shape[-1]
+    x_MN, r_MN = x.reshape(-1, N).contiguous(), residual.reshape(-1, N).contiguous()
+    M = x_MN.shape[0]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    s_MN, y_MN = torch.empty_like(x_MN), torch.empty_like(x_MN)
+    mean, rstd = torch.empty(M, **f32), torch.empty(M, **f32)
+    q_MN, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
+    w, b = (None if v is None else v.contiguous() for v in (weight, bias))
+    launch(x_MN, w, b, y_MN, mean, rstd, q_MN, inv, eps, r_MN=r_MN, s_MN=s_MN)
+    stats, stats_dtype = (*x.shape[:-1], 1), _statistics_like(x)
+    mean, rstd = mean.reshape(stats).to(stats_dtype), rstd.reshape(stats).to(stats_dtype)
+    return s_MN.reshape(x.shape), y_MN.reshape(x.shape), mean, rstd, q_MN, inv
+
+
+@add_layer_norm_fp8.register_fake
+def _(x, residual, weight, bias, eps):
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (s, *torch.ops.fsg.layer_norm_fp8(s, weight, bias, eps))

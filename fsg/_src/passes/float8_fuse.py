@@ -44,6 +44,7 @@ FUSED_OPS = {
 }
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 LAYER_NORM, LAYER_NORM_FP8 = aten.native_layer_norm.default, torch.ops.fsg.layer_norm_fp8.default
+ADD, ADD_LAYER_NORM_FP8 = aten.add.Tensor, torch.ops.fsg.add_layer_norm_fp8.default
 # what each op returns, by name (g: the producer's output; colamax: [0] unless asked)
 OUTPUTS = {
     FUSED_OPS[GELU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
@@ -51,6 +52,7 @@ OUTPUTS = {
     FUSED_OPS[CAT]: ("g", "q", "inv", "colsum", "colamax"),
     ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
     LAYER_NORM_FP8: ("y", "mean", "rstd", "q", "inv"),
+    ADD_LAYER_NORM_FP8: ("s", "y", "mean", "rstd", "q", "inv"),
 }
 # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
 FUSE_PRODUCERS = True
@@ -60,6 +62,9 @@ FUSED_PRODUCERS = frozenset(FUSED_OPS)
 # at GPT-2 355M (fsg-fp8-row-fastgi-ln against -fastgi), 0.8 GiB lower peak; the residual add
 # Inductor fused into each norm becomes its own kernel (1.08 ms a step) until the kernel takes it
 FUSE_LAYER_NORMS = False
+# with FUSE_LAYER_NORMS, a norm of a residual add (``LN(x + r)``) takes the add in its kernel too
+# (``fsg::add_layer_norm_fp8``, which writes the sum): not measured on the H200 yet
+FUSE_RESIDUAL_ADDS = True
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
 FUSE_COLUMN_SUMS = True
@@ -153,8 +158,14 @@ def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         return
     if any(v is not None and (not isinstance(v, fx.Node) or tuple(v.meta["val"].shape) != (N,)) for v in (weight, bias)):
         return
+    add = residual_add(x, norm) if FUSE_RESIDUAL_ADDS else None
     with q.graph.inserting_before(norm):
-        out = outputs(q, q.call(LAYER_NORM_FP8, (x, weight, bias, eps)))
+        if add is None:
+            out = outputs(q, q.call(LAYER_NORM_FP8, (x, weight, bias, eps)))
+        else:
+            out = outputs(q, q.call(ADD_LAYER_NORM_FP8, (*add.args, weight, bias, eps)))
+            add.replace_all_uses_with(out["s"])
+            q.graph.erase_node(add)
     for item in list(norm.users):  # getitem 0, 1, 2: y, mean, rstd
         item.replace_all_uses_with(out[("y", "mean", "rstd")[item.args[1]]])
         q.graph.erase_node(item)
@@ -162,6 +173,23 @@ def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     rows = out["y"] if t is y else t  # a 2-D norm's output is t itself: its readers now read y
     for key in {(t, False, dtype), (rows, False, dtype)}:
         q.casts[key], q.scales[key] = out["q"], out["inv"]
+
+
+def residual_add(x: fx.Node, norm: fx.Node) -> fx.Node | None:
+    """``x`` if it is ``a + b`` of two tensors of its shape and dtype (a residual stream's add)
+    that nothing reads before ``norm`` does: the fused norm computes and writes the sum."""
+    if not (x.op == "call_function" and x.target is ADD and len(x.args) == 2 and not x.kwargs):
+        return None
+    val = x.meta["val"]
+    for a in x.args:
+        if not isinstance(a, fx.Node) or a.meta["val"].shape != val.shape or a.meta["val"].dtype != val.dtype:
+            return None
+    node = x.next
+    while node is not norm:  # a reader between the add and the norm would run before the sum exists
+        if node in x.users or node.op == "output":
+            return None
+        node = node.next
+    return x
 
 
 def fused_args(producer: fx.Node) -> tuple | None:
