@@ -104,6 +104,24 @@ def _statistics_like(x: torch.Tensor) -> torch.dtype:
     return torch.ops.aten.native_layer_norm.default(meta, [x.shape[-1]], None, None, 1e-5)[1].dtype
 
 
+def _run(x: torch.Tensor, residual: torch.Tensor | None, weight, bias, eps: float) -> tuple[torch.Tensor, ...]:
+    """The kernel on ``x`` (plus ``residual``): ``(s, y, mean, rstd, q, inv)`` shaped as the ops
+    return them (``s`` is ``None`` without a residual)."""
+    N = x.shape[-1]
+    x_MN = x.reshape(-1, N).contiguous()
+    r_MN = None if residual is None else residual.reshape(-1, N).contiguous()
+    M = x_MN.shape[0]
+    f32 = {"dtype": torch.float32, "device": x.device}
+    s_MN = None if residual is None else torch.empty_like(x_MN)
+    y_MN, mean, rstd = torch.empty_like(x_MN), torch.empty(M, **f32), torch.empty(M, **f32)
+    q_MN, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
+    w, b = (None if v is None else v.contiguous() for v in (weight, bias))
+    launch(x_MN, w, b, y_MN, mean, rstd, q_MN, inv, eps, r_MN=r_MN, s_MN=s_MN)
+    stats, stats_dtype = (*x.shape[:-1], 1), _statistics_like(x)
+    s = None if s_MN is None else s_MN.reshape(x.shape)
+    return s, y_MN.reshape(x.shape), mean.reshape(stats).to(stats_dtype), rstd.reshape(stats).to(stats_dtype), q_MN, inv
+
+
 @torch.library.custom_op("fsg::layer_norm_fp8", mutates_args=())
 def layer_norm_fp8(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
@@ -113,16 +131,7 @@ def layer_norm_fp8(
     ``[M, N]`` rows and their inverse scales ``[M, 1]``."""
     if not use_triton(x) or x.dtype not in DTYPES:
         return layer_norm_fp8_reference(x, weight, bias, eps)
-    N = x.shape[-1]
-    x_MN = x.reshape(-1, N).contiguous()
-    M = x_MN.shape[0]
-    f32 = {"dtype": torch.float32, "device": x.device}
-    y_MN, mean, rstd = torch.empty_like(x_MN), torch.empty(M, **f32), torch.empty(M, **f32)
-    q_MN, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
-    w, b = (None if v is None else v.contiguous() for v in (weight, bias))
-    launch(x_MN, w, b, y_MN, mean, rstd, q_MN, inv, eps)
-    stats, stats_dtype = (*x.shape[:-1], 1), _statistics_like(x)
-    return y_MN.reshape(x.shape), mean.reshape(stats).to(stats_dtype), rstd.reshape(stats).to(stats_dtype), q_MN, inv
+    return _run(x, None, weight, bias, eps)[1:]
 
 
 @layer_norm_fp8.register_fake
@@ -142,18 +151,7 @@ def add_layer_norm_fp8(
     if not use_triton(x) or x.dtype not in DTYPES or residual.dtype != x.dtype or residual.shape != x.shape:
         s = x + residual
         return (s, *layer_norm_fp8_reference(s, weight, bias, eps))
-    N = x.shape[-1]
-    x_MN, r_MN = x.reshape(-1, N).contiguous(), residual.reshape(-1, N).contiguous()
-    M = x_MN.shape[0]
-    f32 = {"dtype": torch.float32, "device": x.device}
-    s_MN, y_MN = torch.empty_like(x_MN), torch.empty_like(x_MN)
-    mean, rstd = torch.empty(M, **f32), torch.empty(M, **f32)
-    q_MN, inv = torch.empty((M, N), dtype=E4M3, device=x.device), torch.empty((M, 1), **f32)
-    w, b = (None if v is None else v.contiguous() for v in (weight, bias))
-    launch(x_MN, w, b, y_MN, mean, rstd, q_MN, inv, eps, r_MN=r_MN, s_MN=s_MN)
-    stats, stats_dtype = (*x.shape[:-1], 1), _statistics_like(x)
-    mean, rstd = mean.reshape(stats).to(stats_dtype), rstd.reshape(stats).to(stats_dtype)
-    return s_MN.reshape(x.shape), y_MN.reshape(x.shape), mean, rstd, q_MN, inv
+    return _run(x, residual, weight, bias, eps)
 
 
 @add_layer_norm_fp8.register_fake
