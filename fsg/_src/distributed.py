@@ -19,6 +19,7 @@ _log = logging.getLogger("fsg.distributed")
 _BEFORE_SHUTDOWN: list[Callable[[], Any]] = []  # see before_shutdown
 _SHUTDOWNS = [0]  # how many times this process has shut down: keys each exit barrier apart
 EXIT_BARRIER_TIMEOUT_S = 30.0
+COLLECTIVE_THREADS_DRAIN_S = 0.1  # see release_collective_threads
 
 
 class ProcessInfo(NamedTuple):
@@ -73,7 +74,9 @@ def shutdown() -> None:
 
     On a clean exit every rank first waits (at most ``EXIT_BARRIER_TIMEOUT_S``, through the
     process group's key-value store) until all ranks have reached ``shutdown``, so no rank
-    tears down its connections while a peer is still using its own.
+    tears down its groups while a peer is still using them. After destroying the group it
+    gives up the GIL for a moment (``release_collective_threads``), so no backend thread frees
+    a finished collective while the interpreter finalizes (which aborts the process).
 
     Steps replayed as CUDA graphs (``cuda_graph=True`` on a mesh) drop their graphs first:
     NCCL's teardown can hang while graphs that captured its kernels are alive
@@ -85,15 +88,36 @@ def shutdown() -> None:
         if getattr(sys, "last_value", None) is None:  # a clean exit, not an uncaught exception
             _exit_barrier(EXIT_BARRIER_TIMEOUT_S)
         dist.destroy_process_group()
+        release_collective_threads()
+
+
+def release_collective_threads(seconds: float = COLLECTIVE_THREADS_DRAIN_S) -> None:
+    """Gives up the GIL for ``seconds`` so the backends' threads can drop finished collectives
+    before Python finalizes.
+
+    A gloo worker thread (NCCL's watchdog likewise) drops its own reference to a collective after
+    the caller's wait has returned; freeing the collective's tensors takes the GIL. If the main
+    thread is finalizing the interpreter by then, CPython ends the waiting thread with
+    ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor aborts the process:
+    "terminate called without an active exception", SIGABRT after a run whose every step
+    succeeded (seen in CI with two ``torchrun`` nodes; under gdb, ``~AsyncAllreduceWork`` in
+    ``ProcessGroupGloo::runLoop`` -> ``take_gil`` -> ``PyThread_exit_thread``).
+    ``destroy_process_group`` does not join those threads while anything still references a
+    group (DTensor's redistribute-plan cache, ``torch.distributed.nn.functional``'s defaults, a
+    script's global mesh), so the threads outlive it; once they hold no finished work, they
+    touch no Python object again and finalization is safe.
+    """
+    time.sleep(seconds)
 
 
 def _exit_barrier(timeout_s: float) -> bool:
     """Waits until every rank has reached ``shutdown`` (through the process group's store, so it
     never pairs with a peer's collective), at most ``timeout_s``; returns whether all arrived.
 
-    Without it a rank that finishes first tears down its gloo pairs while a peer still has its
-    own open, and the peer's teardown can abort ("terminate called without an active
-    exception", SIGABRT after a run whose every step succeeded; seen once in CI on torch 2.13).
+    It keeps a rank that finishes first from destroying its groups while a peer may still
+    complete collectives with it. (An abort at exit that this barrier was first meant to fix,
+    "terminate called without an active exception", turned out to be a backend thread freeing
+    a finished collective during finalization: ``release_collective_threads`` fixes that.)
     A rank that exits on an uncaught exception skips it: its peers are inside a collective.
     """
     try:

@@ -48,6 +48,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, device: 
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+    from fsg._src.distributed import release_collective_threads
+
+    release_collective_threads()  # before this process finalizes: see its docstring
 
 
 def _crash_log(init_file: str, rank: int) -> str:
