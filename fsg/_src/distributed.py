@@ -95,9 +95,10 @@ def release_collective_threads(seconds: float = COLLECTIVE_THREADS_DRAIN_S) -> N
     """Gives up the GIL for ``seconds`` so the backends' threads can drop finished collectives
     before Python finalizes.
 
-    A gloo worker thread (NCCL's watchdog likewise) drops its own reference to a collective after
-    the caller's wait has returned; freeing the collective's tensors takes the GIL. If the main
-    thread is finalizing the interpreter by then, CPython ends the waiting thread with
+    A gloo worker thread (and, we expect, NCCL's watchdog) drops its own reference to a
+    collective after the caller's wait has returned; freeing the collective's tensors takes
+    the GIL. If the main thread is finalizing the interpreter by then, CPython ends the
+    waiting thread with
     ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor aborts the process:
     "terminate called without an active exception", SIGABRT after a run whose every step
     succeeded (seen in CI with two ``torchrun`` nodes; under gdb, ``~AsyncAllreduceWork`` in
