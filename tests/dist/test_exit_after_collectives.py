@@ -7,8 +7,8 @@ exception"; under gdb: ``~AsyncAllreduceWork`` in ``ProcessGroupGloo::runLoop`` 
 ``take_gil`` -> ``PyThread_exit_thread``). ``destroy_process_group`` does not join the threads
 while anything still references a group, so ``fsg.distributed.shutdown`` gives up the GIL for
 ``COLLECTIVE_THREADS_DRAIN_S`` after it. Measured on the 2-core CI machine (torch 2.13):
-``exit_after_collectives.py`` with no pause aborted on a rank in 6 of 6 launches idle and 5 of
-6 under load (two busy processes beside it); with the 0.1 s pause, in 0 of 8 under load.
+``exit_after_collectives.py`` with no pause aborted on a rank in 4 of 6 launches idle and 5 of
+6 under load (two busy processes beside it); with the 0.1 s pause, in 0 of 10 (4 idle, 6 loaded).
 Through fsg's own exit path the abort is rare (its exit work usually gives the threads a
 moment: 0 of 16 launches without the pause) but was seen once in CI.
 """
