@@ -115,7 +115,7 @@ def test_a_tied_weight_may_be_given_under_either_name():
 def test_an_fsg_error_raised_inside_a_module_names_the_module():
     class Shuffle(nn.Module):
         def forward(self, x):
-            return x * torch.poisson(x.abs())
+            return x * torch.poisson(x.abs(), generator=torch.Generator())
 
     model = nn.Sequential(nn.Linear(4, 4), Shuffle())
     step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b).mean(), optimizer=fsg.optim.sgd(0.1), backend="eager")

@@ -138,6 +138,10 @@ class Keyed(_torch_private.TorchDispatchMode):
             if _torch_private.draws_random(func) and not _deterministic_here(func, args, kwargs):
                 raise unsupported(func, "it has no keyed version in fsg")
             return func(*args, **kwargs)
+        names = _torch_private.arg_names(func)
+        if "generator" in names[: len(args)]:  # positional in some schemas (poisson, binomial)
+            at = names.index("generator")
+            args, kwargs["generator"] = (*args[:at], *args[at + 1 :]), args[at]
         if kwargs.pop("generator", None) is not None:
             raise unsupported(func, "it was given an explicit generator=, which a replayed graph cannot follow")
         return impl(self, *args, **kwargs)
@@ -209,4 +213,4 @@ def supported() -> tuple[str, ...]:
     return tuple(sorted({_torch_private.op_name(op) for op in _IMPLS}))
 
 
-from fsg._src.trace import random_ops  # noqa: E402, F401 - registers the rewrites (it imports this module)
+from fsg._src.trace import random_counts, random_ops  # noqa: E402, F401 - register the rewrites (they import this module)
