@@ -133,3 +133,17 @@ def test_poisson_and_binomial_in_a_step_are_keyed(backend):
         assert torch.all(first["kept"] >= 0)
         kept[b] = first["kept"]
     assert torch.equal(kept["eager"], kept[backend])
+
+
+@pytest.mark.parametrize("sample", [lambda: torch.poisson(torch.full((50000,), 10.0)),
+                                    lambda: torch.binomial(torch.full((50000,), 20.0), torch.full((50000,), 0.5))])  # fmt: skip
+def test_rejection_accepts_each_candidate_often_enough_that_all_failing_is_negligible(sample, monkeypatch):
+    """At the smallest means the rejection regime serves (its worst acceptance), a candidate is
+    accepted with probability >= 0.7, so all ``CANDIDATES`` fail with probability < 3e-13."""
+    seen = []
+    first_accepted = random_counts._first_accepted
+    monkeypatch.setattr(random_counts, "_first_accepted", lambda ok, k: seen.append(ok) or first_accepted(ok, k))
+    draw(sample)
+    (ok,) = seen
+    assert ok.double().mean().item() >= 0.7
+    assert 0.3**random_counts.CANDIDATES < 3e-13

@@ -9,7 +9,9 @@ Each distribution has two regimes, computed for every element and selected per e
   term has probability below 1e-11 for these means);
 - a large mean: Hoermann's transformed rejection with squeeze (PTRS for Poisson, BTRS for the
   binomial, as numpy and torch sample them), ``CANDIDATES`` keyed candidates per element and the
-  first accepted taken (each is accepted with probability above 0.85: all fail below 1e-10).
+  first accepted taken. Each is accepted with probability >= 0.7 (measured over 100,000: 0.71 for
+  Binomial(20, 1/2), 0.75 for Poisson(10), 0.89 for means of a million), so all 24 fail with
+  probability < 3e-13; then the first candidate is taken, clamped to the support.
 
 Both work in float64 (``lgamma`` of large counts needs its precision) and return the input's
 dtype. An invalid parameter (a negative or NaN rate, a count below 0, a probability outside
@@ -24,7 +26,7 @@ from fsg._src.trace.random import Keyed, rewrite, unit
 
 SMALL_MEAN = 10.0
 SMALL_TERMS = 48
-CANDIDATES = 12
+CANDIDATES = 24  # accepted with probability >= 0.7 each: all fail with probability < 3e-13
 _F64 = torch.float64
 
 
@@ -82,7 +84,7 @@ def _poisson(keys: Keyed, rates: torch.Tensor) -> torch.Tensor:
         exact &= log_ratio <= -big + torch.xlogy(k.clamp(min=0), big) - torch.lgamma(k.clamp(min=0) + 1)
         return (quick & (k >= 0)) | exact
 
-    large = _transformed_rejection(keys, lam.shape, lam.device, b, a, big + 0.43, accept)
+    large = _transformed_rejection(keys, lam.shape, lam.device, b, a, big + 0.43, accept).clamp(min=0)
     draw = torch.where(lam < SMALL_MEAN, small, large)
     return torch.where(valid, draw, torch.full_like(draw, float("nan"))).to(rates.dtype)
 
@@ -128,6 +130,7 @@ def _binomial(keys: Keyed, count: torch.Tensor, prob: torch.Tensor) -> torch.Ten
         return inside & (quick | exact)
 
     large = _transformed_rejection(keys, n.shape, n.device, b, a, nb * qb + 0.5, accept)
+    large = torch.minimum(large.clamp(min=0), n)
     draw = torch.where(mean < SMALL_MEAN, small, large)
     draw = torch.where(flip, n - draw, draw)
     return torch.where(valid, draw, torch.full_like(draw, float("nan"))).to(count.dtype)
