@@ -652,6 +652,12 @@ def _mixup(h: torch.Tensor) -> torch.Tensor:
     return lam * h + (1 - lam) * h[torch.randperm(h.shape[0])]
 
 
+def _shot_noise(h: torch.Tensor) -> torch.Tensor:
+    """Poisson shot noise of mean 1 on each feature (the rate from ``|h|``, no gradient)."""
+    rate = 4 * h.detach().abs() + 1
+    return h * torch.poisson(rate) / rate
+
+
 def _complex_rope(h: torch.Tensor, b: Batch) -> torch.Tensor:
     """Rotary embedding as Meta's Llama and torchtitan write it: pairs of ``h``'s features as
     complex numbers, rotated by ``polar(1, t * freq)``."""
@@ -855,6 +861,8 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     Case("torch.gather(h, torch.multinomial(softmax(h), H // 2)) without replacement", "op", _on_hidden(lambda h, b: torch.gather(h, -1, torch.multinomial(torch.softmax(h.detach(), -1), h.shape[-1] // 2)), width=_half, head="head"), tp=True),
     Case("mixup: Beta(0.4, 0.4) weight, rows of h shuffled by torch.randperm(B)", "op", _pointwise(_mixup), tp=True),
     Case("F.rrelu(training=True)", "op", _pointwise(lambda h: F.rrelu(h, training=True)), tp=True),
+    Case("Poisson shot noise: h * torch.poisson(rate) / rate, rate = 4 abs(h) + 1", "op", _pointwise(_shot_noise), tp=True),
+    Case("binomial thinning: h * Binomial(20, 0.75).sample() / 15", "op", _pointwise(lambda h: h * torch.distributions.Binomial(torch.full_like(h, 20.0), probs=torch.full_like(h, 0.75)).sample() / 15), tp=True),
 ]  # fmt: skip
 
 

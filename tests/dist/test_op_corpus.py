@@ -4,7 +4,7 @@
 Each case of ``op_corpus.CASES`` trains one SGD step under data parallel and FSDP (and tensor
 parallel where the case says so: 1-D ``tp`` on 2 ranks, 2 x 2 FSDP x TP on 4), on 2 and 4
 gloo ranks, at sizes hypothesis draws per case, and is compared with the unsharded step.
-CI runs ``CI_CASES`` (49 cases covering every group, 8 of them on 4 ranks too);
+CI runs ``CI_CASES`` (50 cases covering every group, 8 of them on 4 ranks too);
 ``FSG_CORPUS=full`` runs all of them on both.
 Outcomes must equal the table in ``docs/sharding.md`` (``FSG_CORPUS_UPDATE_DOCS=1``
 regenerates it from a full run); ``FSG_CORPUS_RESULTS=path.json`` saves every outcome.
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.dist import corpus_table, corpus_workers, op_corpus
 
-# The CI run: 49 cases on 2 ranks, the first 8 of them also on 4 (the whole corpus on both
+# The CI run: 50 cases on 2 ranks, the first 8 of them also on 4 (the whole corpus on both
 # takes ~20 minutes on 2 cores; FSG_CORPUS=full runs it, and docs/sharding.md shows its table).
 CI_CASES = (
     # on 2 and 4 ranks: the losses issue 14 saw silently wrong, class weights and ignore_index,
@@ -51,6 +51,8 @@ CI_CASES = (
     "view_as_complex(h) * polar(1, angles), view_as_real (complex RoPE)",
     # on 2 ranks: keyed sampling that mixes batch rows (mixup's Beta weight and randperm)
     "mixup: Beta(0.4, 0.4) weight, rows of h shuffled by torch.randperm(B)",
+    # on 2 ranks: keyed count sampling (Poisson: inversion and rejection in one tensor)
+    "Poisson shot noise: h * torch.poisson(rate) / rate, rate = 4 abs(h) + 1",
 )  # fmt: skip
 CI_ON_4_RANKS = 8
 FULL = os.environ.get("FSG_CORPUS") == "full"
