@@ -51,7 +51,7 @@ CI_CASES = (
     "view_as_complex(h) * polar(1, angles), view_as_real (complex RoPE)",
     # on 2 ranks: keyed sampling that mixes batch rows (mixup's Beta weight and randperm)
     "mixup: Beta(0.4, 0.4) weight, rows of h shuffled by torch.randperm(B)",
-    # on 2 ranks: keyed count sampling (Poisson: inversion and rejection in one tensor)
+    # on 2 ranks: keyed count sampling (torch.poisson)
     "Poisson shot noise: h * torch.poisson(rate) / rate, rate = 4 abs(h) + 1",
 )  # fmt: skip
 CI_ON_4_RANKS = 8
