@@ -340,3 +340,17 @@ def test_distributions_default_validation_flag_is_a_class_attribute():
     gm = _torch_private.trace_fake(lambda s: torch.distributions.Normal(torch.zeros(2), s).log_prob(torch.zeros(2)), torch.ones(2))
     assert len(gm.graph.nodes) > 2
     assert torch.distributions.Distribution._validate_args is default
+
+
+def test_von_mises_samples_through_a_module_level_rejection_function():
+    """``torch.distributions.von_mises._rejection_sample(loc, concentration, proposal_r, x)``,
+    looked up at each ``VonMises.sample``: what ``trace_fake`` replaces with fsg's fixed-size
+    loop while it traces, and puts back after."""
+    import inspect
+
+    von_mises = torch.distributions.von_mises
+    original = von_mises._rejection_sample
+    assert list(inspect.signature(original).parameters) == ["loc", "concentration", "proposal_r", "x"]
+    gm = _torch_private.trace_fake(lambda k: torch.distributions.VonMises(torch.zeros(()), k).sample((5,)), torch.tensor(2.0))
+    assert any(n.target is torch.ops.aten.argmax.default for n in gm.graph.nodes)  # the fixed-size loop's pick
+    assert von_mises._rejection_sample is original

@@ -39,21 +39,19 @@ __all__ = [  # fmt: skip
 DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 DYNAMIC_SHAPE_ERROR = DynamicOutputShapeException  # an op whose output shape tracing cannot know (``.func``)
-# Ops that bring a tensor's value to the host; torch 2.13 records ``.item()`` as this node
-# rather than raising.
+# Ops that bring a tensor's value to the host (torch 2.13 records ``.item()`` so, not raising).
 HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
 
 
-# The functional collectives stage 2 emits (DTensor lowers redistributions to them); the
-# overlap pass rewrites the gradient all-reduces among them.
+# The functional collectives stage 2 emits (DTensor lowers redistributions to them).
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default  # (input, group_size, group_name)
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
-# ``register_sharding(op)(fn)``: DTensor sharding strategies for a custom op (experimental in torch 2.11 and
-# 2.13); ``fn`` returns ``[(output placements, input placements), ...]`` for one mesh dim, expanded over the mesh.
+# ``register_sharding(op)(fn)`` (experimental in 2.11, 2.13): DTensor strategies for a custom op,
+# ``fn`` returning ``[(output placements, input placements), ...]`` for one mesh dim.
 register_sharding = register_sharding
 
 
@@ -186,26 +184,29 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool =
     fsg's corrections of torch's decompositions and its rewrites of ops whose schemas hide
     writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
     (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
-    ``source_lines`` records each node's Python stack in ``node.meta["stack_trace"]`` (for
-    errors that name the user's line); it costs about a fifth of the trace. ``torch.distributions``
-    run without their default value checks (``_distributions_unchecked``). Code compiled with
-    ``torch.compile`` (a decorated helper, a compiled module) is traced as the Python it wraps,
-    as torch does under ``error_on_nested_fx_trace=False``: fsg compiles the whole step."""
+    ``source_lines`` records each node's stack in ``node.meta["stack_trace"]`` (errors name the
+    user's line; a fifth of the trace's time). ``torch.distributions`` trace as in
+    ``_distributions_traceable``; ``torch.compile``d code as the Python it wraps (fsg compiles
+    the whole step: ``error_on_nested_fx_trace=False``)."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
-    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _distributions_unchecked():
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _distributions_traceable():
         return make_fx(fn, decomposition_table=table, **options)(*args)
 
 
 @contextlib.contextmanager
-def _distributions_unchecked():
-    """``torch.distributions``' default value checks (``Normal``: ``sigma > 0``?) off: a trace has no values."""
-    default = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(False)
+def _distributions_traceable():
+    """``torch.distributions`` without default value checks (``Normal``: ``sigma > 0``?: a trace
+    has no values) and with ``VonMises``'s rejection loop of fixed size (``decompositions``)."""
+    dist, von_mises = torch.distributions.Distribution, torch.distributions.von_mises
+    saved = dist._validate_args, von_mises._rejection_sample
+    dist.set_default_validate_args(False)
+    von_mises._rejection_sample = fsg_decompositions.von_mises_rejection
     try:
         yield
     finally:
-        torch.distributions.Distribution.set_default_validate_args(default)
+        dist.set_default_validate_args(saved[0])
+        von_mises._rejection_sample = saved[1]
 
 
 def functionalize(
@@ -290,10 +291,9 @@ def buffer_storage(name: str, wrapper: Any = None) -> str:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose graph a pass may rewrite without touching ``gm``'s: the nodes
-    are new, their metadata (fake values, stack traces) shared, constants shared with ``gm``.
-    Keeps the graph's code generator (``Graph._codegen``, private: how inputs and outputs
-    are flattened)."""
+    """A copy of ``gm`` a pass may rewrite without touching ``gm``: new nodes, their metadata and
+    the constants shared, the code generator (``Graph._codegen``: how inputs and outputs are
+    flattened) kept."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = copy.deepcopy(gm.graph._codegen)

@@ -14,10 +14,14 @@ as ``_native_batch_norm_legit`` (and its variants), the same computation with th
 its schema, which is what torch's own Python kernel does for AOTAutograd (see
 ``native_batch_norm_decomposition`` in ``torch/_decomp/decompositions.py``, whose comment calls
 the old schema a TODO). The backward is ``native_batch_norm_backward`` on either device.
+
+``von_mises_rejection`` replaces a Python function rather than an op: ``VonMises.sample``'s
+rejection loop, which draws until every value is accepted and so cannot be traced.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -88,3 +92,22 @@ DECLARED_WRITES: dict[Any, Callable[..., Any]] = {
     _aten.cudnn_batch_norm.default: cudnn_batch_norm,
     _aten.cudnn_batch_norm_backward.default: cudnn_batch_norm_backward,
 }
+
+
+VON_MISES_CANDIDATES = 32  # each accepted with probability >= 0.65: all fail with probability < 1e-14
+
+
+def von_mises_rejection(loc: torch.Tensor, concentration: torch.Tensor, proposal_r: torch.Tensor, x: torch.Tensor):
+    """``torch.distributions.von_mises._rejection_sample`` (Best and Fisher, 1979) over
+    ``VON_MISES_CANDIDATES`` candidates per element, the first accepted taken (the last if none
+    is), instead of drawing until all are accepted: a static graph's ``VonMises.sample``. Its
+    candidates come from ``torch.rand``, so in a step from the step's key."""
+    u1, u2, u3 = torch.rand((3, VON_MISES_CANDIDATES, *x.shape), dtype=loc.dtype, device=loc.device).unbind()
+    z = torch.cos(math.pi * u1)
+    f = (1 + proposal_r * z) / (proposal_r + z)
+    c = concentration * (proposal_r - f)
+    accept = ((c * (2 - c) - u2) > 0) | ((c / u2).log() + 1 - c >= 0)
+    accept[-1] = True
+    first = torch.argmax(accept.to(torch.int8), dim=0, keepdim=True)
+    angle = torch.gather((u3 - 0.5).sign() * f.acos(), 0, first).squeeze(0)
+    return (angle + math.pi + loc) % (2 * math.pi) - math.pi
