@@ -114,3 +114,19 @@ def test_each_distribution_samples_from_the_steps_key_or_raises_naming_the_line(
         mean, var = moments
         error = (s.double().mean(0) - mean).abs()
         assert torch.all(error <= 6 * torch.sqrt(var / N) + 1e-9), (error, var)
+
+
+@pytest.mark.parametrize("kappa", [1.0, 5.0, 50.0, 1e4])
+def test_von_mises_fixed_candidates_all_fail_with_negligible_probability(kappa):
+    """Best and Fisher's acceptance falls with the concentration towards ~0.658; at >= 0.65 the
+    ``VON_MISES_CANDIDATES`` all fail with probability < 1e-14."""
+    from fsg._src import decompositions
+
+    d = D.VonMises(torch.tensor(0.0), torch.tensor(kappa))
+    u1, u2 = torch.rand(2, 200000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    r, z = d._proposal_r, torch.cos(math.pi * u1)
+    f = (1 + r * z) / (r + z)
+    c = d._concentration * (r - f)
+    accepted = (((c * (2 - c) - u2) > 0) | ((c / u2).log() + 1 - c >= 0)).double().mean().item()
+    assert accepted >= 0.65
+    assert (1 - 0.65) ** decompositions.VON_MISES_CANDIDATES < 1e-14
