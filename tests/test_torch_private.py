@@ -354,3 +354,14 @@ def test_von_mises_samples_through_a_module_level_rejection_function():
     gm = _torch_private.trace_fake(lambda k: torch.distributions.VonMises(torch.zeros(()), k).sample((5,)), torch.tensor(2.0))
     assert any(n.target is torch.ops.aten.argmax.default for n in gm.graph.nodes)  # the fixed-size loop's pick
     assert von_mises._rejection_sample is original
+
+
+def test_wishart_samples_by_a_bartlett_method_of_the_sample_shape():
+    """``Wishart._bartlett_sampling(sample_shape)``: one draw, no loop; ``trace_fake`` makes it
+    ``Wishart.rsample`` while it traces, and puts ``rsample`` back after."""
+    original = torch.distributions.Wishart.rsample
+    d = torch.distributions.Wishart(torch.tensor(4.0), covariance_matrix=torch.eye(3))
+    assert d._bartlett_sampling(torch.Size((5,))).shape == (5, 3, 3)
+    gm = _torch_private.trace_fake(lambda x: x * torch.distributions.Wishart(torch.tensor(3.0), covariance_matrix=torch.eye(2)).rsample((4,)), torch.ones(()))
+    assert all(n.target is not torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes)  # no host read
+    assert torch.distributions.Wishart.rsample is original

@@ -102,15 +102,13 @@ def all_decompositions() -> dict[Any, Callable[..., Any]]:  # every registered P
     return dict(decomposition_table)
 
 
-# ``torch.func.functional_call``'s context manager: ``module``'s parameters and buffers are the
-# given tensors until exit (fsg.apply keeps it open through a traced step's backward, where
-# activation checkpointing runs module code again); (module, tensors, tie_weights, strict).
+# ``functional_call``'s context manager (module, tensors, tie_weights, strict): the module's tensors
+# are these until exit (fsg.apply keeps it open through the backward, where checkpointing reruns).
 reparametrize = _reparametrize_module
 
 
-# Mutation and aliasing from an op's schema (``Tensor(a!) self`` is written, ``Tensor(a) self ->
-# Tensor(a)`` is a view; ``Tensor(a -> *) self -> Tensor(a)[]`` a list of views, split's). Python
-# targets (``operator.getitem``) and higher-order ops have no schema: no facts.
+# Mutation and aliasing from an op's schema (``Tensor(a!)`` written, ``Tensor(a) -> Tensor(a)`` a view,
+# ``Tensor(a -> *) -> Tensor(a)[]`` views); Python targets and higher-order ops have none: no facts.
 
 
 def op_name(target: Any) -> str:
@@ -128,17 +126,13 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def arg_names(target: Any) -> tuple[str, ...]:
     """An op's schema argument names, in order (``()`` for a non-``OpOverload`` target)."""
-    if not isinstance(target, OpOverload):
-        return ()
-    return tuple(a.name for a in target._schema.arguments)
+    return tuple(a.name for a in target._schema.arguments) if isinstance(target, OpOverload) else ()
 
 
 @functools.cache
 def return_names(target: Any) -> tuple[str, ...]:
     """An op's schema return names, in order (``""`` unnamed; ``()`` for a non-``OpOverload``)."""
-    if not isinstance(target, OpOverload):
-        return ()
-    return tuple(r.name or "" for r in target._schema.returns)
+    return tuple(r.name or "" for r in target._schema.returns) if isinstance(target, OpOverload) else ()
 
 
 @functools.cache
@@ -196,17 +190,23 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool =
 
 @contextlib.contextmanager
 def _distributions_traceable():
-    """``torch.distributions`` without default value checks (``Normal``: ``sigma > 0``?: a trace
-    has no values) and with ``VonMises``'s rejection loop of fixed size (``decompositions``)."""
-    dist, von_mises = torch.distributions.Distribution, torch.distributions.von_mises
-    saved = dist._validate_args, von_mises._rejection_sample
-    dist.set_default_validate_args(False)
-    von_mises._rejection_sample = fsg_decompositions.von_mises_rejection
+    """``torch.distributions`` unchecked (a trace has no values) and with static samplers for
+    those that loop on values: ``VonMises`` (``decompositions``), ``Wishart`` (no retries)."""
+    slots = ((torch.distributions.von_mises, "_rejection_sample"), (torch.distributions.Wishart, "rsample"))
+    saved = torch.distributions.Distribution._validate_args, [getattr(owner, name) for owner, name in slots]
+    torch.distributions.Distribution.set_default_validate_args(False)
+    for (owner, name), static in zip(slots, (fsg_decompositions.von_mises_rejection, _wishart_bartlett)):
+        setattr(owner, name, static)
     try:
         yield
     finally:
-        dist.set_default_validate_args(saved[0])
-        von_mises._rejection_sample = saved[1]
+        torch.distributions.Distribution.set_default_validate_args(saved[0])
+        for (owner, name), original in zip(slots, saved[1]):
+            setattr(owner, name, original)
+
+
+def _wishart_bartlett(self: Any, sample_shape: Any = (), max_try_correction: Any = None) -> torch.Tensor:
+    return self._bartlett_sampling(torch.Size(sample_shape))  # singular: negligible unless df ~ p - 1
 
 
 def functionalize(
