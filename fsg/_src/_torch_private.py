@@ -179,30 +179,29 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool =
     writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
     (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
     ``source_lines`` records each node's stack in ``node.meta["stack_trace"]`` (errors name the
-    user's line; a fifth of the trace's time). ``torch.distributions`` trace as in
-    ``_distributions_traceable``; ``torch.compile``d code as the Python it wraps (fsg compiles
-    the whole step: ``error_on_nested_fx_trace=False``)."""
+    user's line; a fifth of the trace's time). It runs under ``_traceable``; ``torch.compile``d
+    code as the Python it wraps (fsg compiles the whole step: ``error_on_nested_fx_trace``)."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
-    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _distributions_traceable():
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _traceable():
         return make_fx(fn, decomposition_table=table, **options)(*args)
 
 
 @contextlib.contextmanager
-def _distributions_traceable():
-    """``torch.distributions`` unchecked (a trace has no values) and with static samplers for
-    those that loop on values: ``VonMises`` (``decompositions``), ``Wishart`` (no retries)."""
-    slots = ((torch.distributions.von_mises, "_rejection_sample"), (torch.distributions.Wishart, "rsample"))
-    saved = torch.distributions.Distribution._validate_args, [getattr(owner, name) for owner, name in slots]
-    torch.distributions.Distribution.set_default_validate_args(False)
-    for (owner, name), static in zip(slots, (fsg_decompositions.von_mises_rejection, _wishart_bartlett)):
-        setattr(owner, name, static)
+def _traceable():
+    """While tracing: ``torch.distributions`` without default value checks (a trace has no
+    values), and static samplers for those that loop on values (``VonMises``, ``Wishart``)."""
+    slots = ((torch.distributions.Distribution, "_validate_args", False),
+             (torch.distributions.von_mises, "_rejection_sample", fsg_decompositions.von_mises_rejection),
+             (torch.distributions.Wishart, "rsample", _wishart_bartlett))  # fmt: skip
+    saved = [getattr(owner, name) for owner, name, _ in slots]
+    for owner, name, value in slots:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        torch.distributions.Distribution.set_default_validate_args(saved[0])
-        for (owner, name), original in zip(slots, saved[1]):
-            setattr(owner, name, original)
+        for (owner, name, _), value in zip(slots, saved):
+            setattr(owner, name, value)
 
 
 def _wishart_bartlett(self: Any, sample_shape: Any = (), max_try_correction: Any = None) -> torch.Tensor:

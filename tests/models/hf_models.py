@@ -71,6 +71,29 @@ def _families() -> dict[str, tuple[Callable[[], torch.nn.Module], str]]:
         "vit": (lambda: T.ViTForImageClassification(T.ViTConfig(
             hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, intermediate_size=_FF, image_size=32,
             patch_size=8, num_labels=10, **no_dropout)), "image"),  # fmt: skip
+        # vision transformers and convolution-free hierarchies: relative position biases (BEiT's index is
+        # cached by transformers: a trace must leave no fake tensor there), shifted windows, focal modulation
+        "beit": (lambda: T.BeitForImageClassification(T.BeitConfig(
+            hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, intermediate_size=_FF, image_size=32,
+            patch_size=8, num_labels=10, use_relative_position_bias=True, drop_path_rate=0.0, **no_dropout)), "image"),  # fmt: skip
+        "deit": (lambda: T.DeiTForImageClassification(T.DeiTConfig(
+            hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, intermediate_size=_FF, image_size=32,
+            patch_size=8, num_labels=10, **no_dropout)), "image"),  # fmt: skip
+        "dinov2": (lambda: T.Dinov2ForImageClassification(T.Dinov2Config(
+            hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, mlp_ratio=2, image_size=32, patch_size=8,
+            num_labels=10, drop_path_rate=0.0, **no_dropout)), "image"),  # fmt: skip
+        "swin": (lambda: T.SwinForImageClassification(T.SwinConfig(
+            image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10,
+            drop_path_rate=0.0, **no_dropout)), "image"),  # fmt: skip
+        "segformer": (lambda: T.SegformerForImageClassification(T.SegformerConfig(
+            num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+            num_labels=10, drop_path_rate=0.0, classifier_dropout_prob=0.0, patch_sizes=[3, 3], strides=[2, 2],
+            mlp_ratios=[2, 2], **no_dropout)), "image"),  # fmt: skip
+        "focalnet": (lambda: T.FocalNetForImageClassification(T.FocalNetConfig(
+            image_size=32, patch_size=2, embed_dim=16, depths=[1, 1], focal_levels=[2, 2], num_labels=10,
+            drop_path_rate=0.0)), "image"),  # fmt: skip
+        "poolformer": (lambda: T.PoolFormerForImageClassification(T.PoolFormerConfig(
+            hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=10, drop_path_rate=0.0)), "image"),  # fmt: skip
         # frozen parameters (requires_grad=False): the sinusoidal position tables
         "pegasus": (lambda: T.PegasusForConditionalGeneration(T.PegasusConfig(
             vocab_size=VOCAB, d_model=_D, encoder_layers=1, decoder_layers=1, encoder_attention_heads=_HEADS,
@@ -87,7 +110,8 @@ def _families() -> dict[str, tuple[Callable[[], torch.nn.Module], str]]:
 
 
 KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "gptj",
-         "falcon", "bloom", "opt", "bert", "roberta", "distilbert", "t5", "bart", "vit", "pegasus", "whisper")  # fmt: skip
+         "falcon", "bloom", "opt", "bert", "roberta", "distilbert", "t5", "bart", "vit", "pegasus", "whisper",
+         "beit", "deit", "dinov2", "swin", "segformer", "focalnet", "poolformer")  # fmt: skip
 
 
 def make(kind: str) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
-from fsg._src.trace import markers
+from fsg._src.trace import libraries, markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,7 +73,8 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected."""
     mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
-        return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
+        with libraries.caches_bypassed():  # no fake tensor left in a library's cache
+            return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         raise host_sync_error(where, "data-dependent Python control flow") from exc

@@ -1,0 +1,36 @@
+"""What a trace sets in the libraries a loss calls, so that it leaves nothing of itself there.
+
+transformers caches tensors that some models build from Python values
+(``compile_compatible_method_lru_cache``: BEiT's and Data2VecVision's relative position
+indices, and the DETR, SAM and Mask2Former families') unless ``torch.compiler`` says it is
+compiling. fsg's trace is not ``torch.compile``, so the cache would keep the trace's fake
+tensor, and every later use of the model would read it: after a BEiT step was compiled, the
+model's own eager loss came out as a fake tensor, and a second trace (an evaluation step) would
+meet a fake tensor of another trace's mode. While fsg traces, that cache calls through.
+
+(Setting ``torch.compiler.is_compiling()`` itself, as ``torch.export``'s non-strict tracing
+does, would also do it, but ``torch.compile``d functions called in a loss then run their
+compiled code on the fake tensors, and transformers' mixture-of-experts layers pick other
+kernels.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def caches_bypassed() -> Iterator[None]:
+    """Within: transformers' tensor caches call through (when transformers is imported)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    if utils is None or not callable(getattr(utils, "is_torchdynamo_compiling", None)):
+        yield
+        return
+    saved = utils.is_torchdynamo_compiling
+    utils.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        utils.is_torchdynamo_compiling = saved
