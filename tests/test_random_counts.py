@@ -141,8 +141,8 @@ def test_rejection_accepts_each_candidate_often_enough_that_all_failing_is_negli
     """At the smallest means the rejection regime serves (its worst acceptance), a candidate is
     accepted with probability >= 0.7, so all ``CANDIDATES`` fail with probability < 3e-13."""
     seen = []
-    first_accepted = random_counts._first_accepted
-    monkeypatch.setattr(random_counts, "_first_accepted", lambda ok, k: seen.append(ok) or first_accepted(ok, k))
+    first_accepted = random_counts.first_accepted
+    monkeypatch.setattr(random_counts, "first_accepted", lambda ok, k: seen.append(ok) or first_accepted(ok, k))
     draw(sample)
     (ok,) = seen
     assert ok.double().mean().item() >= 0.7

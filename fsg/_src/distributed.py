@@ -98,8 +98,8 @@ def release_collective_threads(seconds: float = COLLECTIVE_THREADS_DRAIN_S) -> N
     A gloo worker thread (and, we expect, NCCL's watchdog) drops its own reference to a
     collective after the caller's wait has returned; freeing the collective's tensors takes
     the GIL. If the main thread is finalizing the interpreter by then, CPython ends the
-    waiting thread with
-    ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor aborts the process:
+    waiting thread with ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor
+    aborts the process:
     "terminate called without an active exception", SIGABRT after a run whose every step
     succeeded (seen in CI with two ``torchrun`` nodes; under gdb, ``~AsyncAllreduceWork`` in
     ``ProcessGroupGloo::runLoop`` -> ``take_gil`` -> ``PyThread_exit_thread``).

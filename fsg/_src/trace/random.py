@@ -84,6 +84,13 @@ def normal(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2 * math.pi * u2)).to(dtype)
 
 
+def first_accepted(ok: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Along the last dim, the first candidate whose ``ok`` is true (the first if none is):
+    a rejection sampler's loop as a fixed number of keyed candidates."""
+    first = torch.argmax(ok.to(torch.int8), dim=-1, keepdim=True)
+    return torch.gather(candidates, -1, first).squeeze(-1)
+
+
 def below(z: torch.Tensor, p: Any) -> torch.Tensor:
     """A bool tensor, True with probability ``p`` (a float or a tensor broadcast to ``z``)."""
     if not isinstance(p, torch.Tensor):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from fsg._src.trace.random import Keyed, rewrite, unit
+from fsg._src.trace.random import Keyed, first_accepted, rewrite, unit
 
 SMALL_MEAN = 10.0
 SMALL_TERMS = 48
@@ -42,11 +42,6 @@ def _inversion(keys: Keyed, log_pmf: torch.Tensor) -> torch.Tensor:
     return (cdf <= u).sum(-1).to(_F64)
 
 
-def _first_accepted(ok: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    first = torch.argmax(ok.to(torch.int8), dim=-1, keepdim=True)
-    return torch.gather(k, -1, first).squeeze(-1)
-
-
 def _terms(like: torch.Tensor) -> torch.Tensor:
     return torch.arange(SMALL_TERMS, dtype=_F64, device=like.device)
 
@@ -59,7 +54,7 @@ def _transformed_rejection(keys: Keyed, shape: tuple, device, b, a, c, accept) -
     u, v = uv[..., :CANDIDATES] - 0.5, uv[..., CANDIDATES:]
     us = (0.5 - u.abs()).clamp(min=1e-12)
     k = torch.floor((2 * a / us + b) * u + c)
-    return _first_accepted(accept(k, us, v), k)
+    return first_accepted(accept(k, us, v), k)
 
 
 @rewrite("poisson.default")
@@ -79,10 +74,10 @@ def _poisson(keys: Keyed, rates: torch.Tensor) -> torch.Tensor:
 
     def accept(k, us, v):
         quick = (us >= 0.07) & (v <= vr)
+        kk = k.clamp(min=0)
         log_ratio = torch.log(v * inv_alpha / (a / (us * us) + b))
-        exact = (k >= 0) & ~((us < 0.013) & (v > us))
-        exact &= log_ratio <= -big + torch.xlogy(k.clamp(min=0), big) - torch.lgamma(k.clamp(min=0) + 1)
-        return (quick & (k >= 0)) | exact
+        exact = ~((us < 0.013) & (v > us)) & (log_ratio <= -big + torch.xlogy(kk, big) - torch.lgamma(kk + 1))
+        return (k >= 0) & (quick | exact)
 
     large = _transformed_rejection(keys, lam.shape, lam.device, b, a, big + 0.43, accept).clamp(min=0)
     draw = torch.where(lam < SMALL_MEAN, small, large)

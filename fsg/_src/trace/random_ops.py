@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fsg._src.trace.random import Keyed, below, compute_dtype, normal, rewrite, shr, unit, unsupported
+from fsg._src.trace.random import Keyed, below, compute_dtype, first_accepted, normal, rewrite, shr, unit, unsupported
 
 _aten = torch.ops.aten
 
@@ -206,8 +206,7 @@ def _standard_gamma(keys: Keyed, alpha: torch.Tensor) -> torch.Tensor:
     u = 1.0 - unit(keys.bits(shape, alpha.device), dtype)  # (0, 1]
     v = (1.0 + c * x) ** 3
     ok = (v > 0) & (torch.log(u) < 0.5 * x * x + d - d * v + d * torch.log(v.clamp(min=1e-30)))
-    first = torch.argmax(ok.to(torch.int8), dim=-1, keepdim=True)  # the first accepted candidate
-    draw = torch.gather(d * v, -1, first).squeeze(-1)
+    draw = first_accepted(ok, d * v)
     boost = (1.0 - unit(keys.bits(alpha.shape, alpha.device), dtype)) ** (1.0 / a)
     draw = torch.where(a < 1, draw * boost, draw)
     return draw.clamp(min=torch.finfo(alpha.dtype).tiny).to(alpha.dtype)
