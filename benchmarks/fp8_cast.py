@@ -29,10 +29,11 @@ from fsg._src.kernels import layer_norm_fp8 as LN
 from fsg._src.kernels._common import RowTiling
 
 M = 16384
-# the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps; the 355M sweep
-# (RESULTS.md, ninth session) found one row a tile best everywhere, by 1.5-10x
-SWEEP = ((1, 2, 4), (512, 2048, 0), (4, 8, 16))
-WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32))  # --wide: for the 1.3B widths
+# the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps, software-pipeline
+# stages of the row loop; the 355M sweep (RESULTS.md, ninth session) found one row a tile best
+# everywhere, by 1.5-10x
+SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
+WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths
 
 
 def _ms(fn) -> float:
@@ -65,16 +66,26 @@ def _cases(widths: dict[str, int]):
         w, b = randn(C, scale=0.5) + 1, randn(C, scale=0.1)
         yield (f"{model} layer norm [{M}, {C}]: y, its FP8 copy, statistics", LN.layer_norm_fp8,
                LN.layer_norm_fp8_reference, (x, w, b, 1e-5), M * C * (2 + 2 + f8) + 3 * M * f32, "layer_norm")  # fmt: skip
+        r = randn(M, C)
+        yield (f"{model} layer norm of x + r [{M}, {C}]: the sum, y, its FP8 copy, statistics", LN.add_layer_norm_fp8,
+               _add_layer_norm_reference, (x, r, w, b, 1e-5), M * C * (2 + 2 + 2 + 2 + f8) + 3 * M * f32,
+               "add_layer_norm")  # fmt: skip
+
+
+def _add_layer_norm_reference(x, r, w, b, eps):
+    s = x + r
+    return (s, *LN.layer_norm_fp8_reference(s, w, b, eps))
 
 
 def _launcher(kind: str, args, t: RowTiling):
     """A launch of the kernel alone with tiling ``t`` (outputs allocated once)."""
-    if kind == "layer_norm":
-        x, w, b, eps = args
+    if kind in ("layer_norm", "add_layer_norm"):
+        x, r, w, b, eps = args if kind == "add_layer_norm" else (args[0], None, *args[1:])
         f32 = {"dtype": torch.float32, "device": "cuda"}
         outs = (torch.empty_like(x), torch.empty(x.shape[0], **f32), torch.empty(x.shape[0], **f32),
                 torch.empty(x.shape, dtype=K.E4M3, device="cuda"), torch.empty((x.shape[0], 1), **f32))  # fmt: skip
-        return lambda: LN.launch(x, w, b, *outs, eps, t)
+        s = None if r is None else torch.empty_like(x)
+        return lambda: LN.launch(x, w, b, *outs, eps, t, r_MN=r, s_MN=s)
     if kind == "cat":
         xs = [K._rows_of(p) for p in args[0]]
         producer, h = "identity", None
@@ -129,33 +140,35 @@ def main() -> None:
         xs0 = inputs[0][0] if kind == "cat" else inputs[0]
         C = xs0.shape[-1]
         pieces = 3 if kind == "cat" else 1
-        colsum = not kind.startswith(("gelu:", "layer_norm"))
+        colsum = not kind.startswith(("gelu:", "layer_norm", "add_layer_norm"))
         best = None
-        for rows, programs, warps in itertools.product(*(WIDE if args.wide else SWEEP)):
+        for rows, programs, warps, stages in itertools.product(*(WIDE if args.wide else SWEEP)):
             if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
                 continue
             iters = 1 if programs == 0 else max(1, -(-M // (rows * programs)))
-            t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps)
+            t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps, stages=stages)
             try:
                 ms = _ms(_launcher(kind, inputs, t))
             except Exception as exc:  # a tiling the compiler refuses (resources): skip it
                 print(
-                    f"| {name} | rows={rows} programs={t.programs} warps={warps} | failed: {type(exc).__name__} |  |  |  |"
+                    f"| {name} | rows={rows} programs={t.programs} warps={warps} stages={stages} | failed: "
+                    f"{type(exc).__name__} |  |  |  |"
                 )
                 continue
             gbs = moved / ms / 1e6
-            print(f"| {name} | rows={rows} iters={iters} programs={t.programs} warps={warps} | {ms:.3f} | {gbs:.0f} | "
-                  f"{gbs / copy_gbs:.0%} | {t_ind / ms:.2f}x |", flush=True)  # fmt: skip
-            best = min(best or (ms, ""), (ms, f"rows={rows} iters={iters} warps={warps}"))
+            tiling = f"rows={rows} iters={iters} programs={t.programs} warps={warps} stages={stages}"
+            print(f"| {name} | {tiling} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / ms:.2f}x |", flush=True)
+            best = min(best or (ms, ""), (ms, tiling))
         print(
             f"| {name} | **best of the sweep**: {best[1]} | {best[0]:.3f} |  |  | {t_ind / best[0]:.2f}x |", flush=True
         )
     # correctness beside the reference, on the timed shapes
     for name, op, ref, inputs, _, _ in _cases({"355M": 1024}):
         out, want = op(*inputs), ref(*inputs)
-        first = {K.rowwise_fp8: 0, LN.layer_norm_fp8: 3}.get(op, 1)  # where the FP8 copy is among the outputs
+        first = {K.rowwise_fp8: 0, LN.layer_norm_fp8: 3, LN.add_layer_norm_fp8: 4}.get(op, 1)  # the FP8 copy's place
         q, inv, inv_ref = out[first], out[first + 1], want[first + 1]
-        rows = (inputs[0] if op is K.rowwise_fp8 else out[0]).reshape(q.shape).float()
+        rows = (inputs[0] if op is K.rowwise_fp8 else out[first - 3 if op is LN.add_layer_norm_fp8 else 0])
+        rows = rows.reshape(q.shape).float()
         differ = int((q != (rows / inv).clamp(-448, 448).to(K.E4M3)).sum())  # rows * scale vs rows / (1 / scale)
         err = float(((inv - inv_ref).abs() / inv_ref.abs()).max())
         print(

@@ -35,10 +35,11 @@ def check_against_reference(dy, h, approximate, g, scaled, inv, colsum):
 @KERNEL
 @given(
     st.integers(1, 40), st.integers(1, 300), st.sampled_from(K.APPROXIMATIONS), st.sampled_from([None, 1, 3]),
-    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1),
+    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 3]),
 )  # fmt: skip
-def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate, iters, rows, seed):
-    """Tiles and iterations that do not divide M leave partly masked tiles; a row of zeros
+def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate, iters, rows, seed, stages):
+    """Tiles and iterations that do not divide M leave partly masked tiles (a pipelined row
+    loop too: ``stages``); a row of zeros
     gets a finite scale; each row's largest element scales to the FP8 maximum; the column
     maxima are those of ``|g|`` as written, exactly."""
     g_ = torch.Generator().manual_seed(seed)
@@ -46,7 +47,7 @@ def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate,
     # kernel's erf alike, and a row of one such element scales its noise (even its sign) to 448
     dy, h = torch.randn(m, n, generator=g_) * 2, (torch.randn(m, n, generator=g_) * 3).clamp(-5, 5)
     dy[0] = 0.0
-    t = RowTiling(m, n, rows=rows, iters=iters)
+    t = RowTiling(m, n, rows=rows, iters=iters, stages=stages)
     g = torch.full((m, n), float("nan"))
     q = torch.full((m, n), float("nan"))  # float32: see the module docstring
     inv = torch.full((m, 1), float("nan"))

@@ -51,8 +51,11 @@ def test_kernel_writes_every_output_and_matches_the_unfused_ops(m, n, has_w, has
 
 @needs_triton
 @KERNEL
-@given(st.integers(1, 40), st.integers(1, 200), st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1))
-def test_kernel_with_a_residual_writes_the_sum_and_normalizes_it(m, n, affine, rows, seed):
+@given(
+    st.integers(1, 40), st.integers(1, 200), st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1),
+    st.sampled_from([1, 2]),
+)  # fmt: skip
+def test_kernel_with_a_residual_writes_the_sum_and_normalizes_it(m, n, affine, rows, seed, stages):
     """``LN(x + r)``: the sum written (the residual stream's next value) and every output as the
     unfused ops give them for that sum."""
     g_ = torch.Generator().manual_seed(seed)
@@ -60,7 +63,7 @@ def test_kernel_with_a_residual_writes_the_sum_and_normalizes_it(m, n, affine, r
     w, b = (torch.randn(n, generator=g_), torch.randn(n, generator=g_)) if affine else (None, None)
     s, y, q = (torch.full((m, n), float("nan")) for _ in range(3))
     mean, rstd, inv = (torch.full(shape, float("nan")) for shape in ((m,), (m,), (m, 1)))
-    L.launch(x, w, b, y, mean, rstd, q, inv, 1e-5, RowTiling(m, n, rows=rows, iters=2), r_MN=r, s_MN=s)
+    L.launch(x, w, b, y, mean, rstd, q, inv, 1e-5, RowTiling(m, n, rows=rows, iters=2, stages=stages), r_MN=r, s_MN=s)
     assert torch.equal(s, x + r)
     y_ref, mean_ref, rstd_ref, _, inv_ref = L.layer_norm_fp8_reference(x + r, w, b, 1e-5)
     assert (y - y_ref).abs().max() < 1e-4 * max(1.0, float(y_ref.abs().max()))

@@ -84,6 +84,7 @@ class RowTiling:
         iters: int | None = None,
         rows: int | None = None,
         num_warps: int | None = None,
+        stages: int = 1,
     ):
         self.block = triton.next_power_of_2(N)
         self.rows = rows or max(1, min(16, 4096 // self.block))
@@ -92,6 +93,7 @@ class RowTiling:
         # benchmarks/RESULTS.md); wider rows take one warp per 512 elements of the tile.
         self.num_warps = num_warps or (4 if self.block <= 1024 else min(16, max(4, self.rows * self.block // 512)))
         self.programs = triton.cdiv(M, self.rows * self.iters)
+        self.stages = stages  # the row loop's software-pipeline depth (``tl.range(num_stages=)``)
 
 
 @contextlib.contextmanager

@@ -89,6 +89,7 @@ def _rowwise_fp8_kernel(
     x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, amax_rows, M, C,
     s0, s1, s2, fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
     COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = True,
+    STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
     stride ``s_i``), produced and, when ``QUANT``, cast row by row to FP8 with their inverse
@@ -104,7 +105,7 @@ def _rowwise_fp8_kernel(
     colamax0 = tl.zeros([BLOCK], tl.float32)
     colamax1 = tl.zeros([BLOCK], tl.float32)
     colamax2 = tl.zeros([BLOCK], tl.float32)
-    for it in range(ITERS):
+    for it in tl.range(ITERS, num_stages=STAGES):  # STAGES > 1: the next rows' loads in flight
         rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
         row_ok = rows < M
         g0 = _produce(x0_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s0, N, 0, PRODUCER, WRITE_G)
@@ -224,5 +225,5 @@ def launch(
         float(torch.finfo(E4M3).max), EPS,
         PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None,
         COLSUM=colsum_part_PN is not None, COLAMAX=colamax_part_PN is not None,
-        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, QUANT=quant, num_warps=t.num_warps,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, QUANT=quant, STAGES=t.stages, num_warps=t.num_warps,
     )  # fmt: skip

@@ -32,7 +32,7 @@ DTYPES = (torch.bfloat16, torch.float16)  # the output dtypes the pass fuses (an
 def _layer_norm_fp8_kernel(
     x_ptr, r_ptr, s_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, q_ptr, inv_ptr, M, N, eps, fp8_max, amax_eps,
     HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     """``ITERS`` tiles of ``ROWS`` rows a program: with ``HAS_R`` the sum ``x + r`` first, stored
     in ``x``'s dtype and normalized as stored; statistics in float32, ``y`` stored in its dtype,
@@ -42,7 +42,7 @@ def _layer_norm_fp8_kernel(
     col_ok = cols < N
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) if HAS_W else None
     b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) if HAS_B else None
-    for it in range(ITERS):
+    for it in tl.range(ITERS, num_stages=STAGES):
         rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
@@ -84,7 +84,7 @@ def launch(
         x_MN, r_MN if has_r else x_MN, s_MN if has_r else x_MN, x_MN if w is None else w, x_MN if b is None else b,
         y_MN, mean_M, rstd_M, q_MN, inv_M, M, N, eps,
         float(torch.finfo(E4M3).max), EPS, HAS_R=has_r, HAS_W=w is not None, HAS_B=b is not None,
-        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, num_warps=t.num_warps,
+        ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, STAGES=t.stages, num_warps=t.num_warps,
     )  # fmt: skip
 
 
