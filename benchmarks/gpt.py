@@ -87,6 +87,9 @@ Implementations (--impl):
             matmul reads casts its output in its own kernel (fsg::layer_norm_fp8; a norm of a
             residual add takes the add too, fsg::add_layer_norm_fp8), not Inductor's (e.g.
             fsg-fp8-row-fastgi-ln; off by default: RESULTS.md, 2026-12-05)
+  any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
+            software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
+            fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
 """
 
 from __future__ import annotations
@@ -198,8 +201,11 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     else:
+        from fsg._src.kernels import float8_cast_kernel
         from fsg._src.passes import float8_fuse, pack_attention_grads
 
+        float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
+        impl = impl.removesuffix("-s3")
         float8_fuse.FUSE_LAYER_NORMS = impl.endswith("-ln")
         impl = impl.removesuffix("-ln")
         pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
