@@ -165,10 +165,10 @@ def main() -> None:
     # correctness beside the reference, on the timed shapes
     for name, op, ref, inputs, _, _ in _cases({"355M": 1024}):
         out, want = op(*inputs), ref(*inputs)
-        first = {K.rowwise_fp8: 0, LN.layer_norm_fp8: 3, LN.add_layer_norm_fp8: 4}.get(op, 1)  # the FP8 copy's place
+        # where the FP8 copy is among the outputs, and which tensor's rows it casts (None: the input)
+        first, cast_of = {K.rowwise_fp8: (0, None), LN.layer_norm_fp8: (3, 0), LN.add_layer_norm_fp8: (4, 1)}.get(op, (1, 0))
         q, inv, inv_ref = out[first], out[first + 1], want[first + 1]
-        rows = (inputs[0] if op is K.rowwise_fp8 else out[first - 3 if op is LN.add_layer_norm_fp8 else 0])
-        rows = rows.reshape(q.shape).float()
+        rows = (inputs[0] if cast_of is None else out[cast_of]).reshape(q.shape).float()
         differ = int((q != (rows / inv).clamp(-448, 448).to(K.E4M3)).sum())  # rows * scale vs rows / (1 / scale)
         err = float(((inv - inv_ref).abs() / inv_ref.abs()).max())
         print(

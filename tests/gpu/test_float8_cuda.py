@@ -368,6 +368,7 @@ def test_rowwise_gpt_step_with_fused_layer_norms_equals_the_unfused_step(monkeyp
     for fused in ((True, True), (True, False)):
         assert max(abs(a - b) for a, b in zip(runs[fused], runs[(False, False)])) < 0.02, runs
 
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("producer", ["identity", "gelu_backward:tanh", "gelu:tanh", "cat", "layer_norm", "add_layer_norm"])
 def test_a_pipelined_row_loop_writes_what_the_plain_loop_writes(producer, stages):
@@ -389,7 +390,8 @@ def test_a_pipelined_row_loop_writes_what_the_plain_loop_writes(producer, stages
         N = 3 * C if producer == "cat" else C
         q, inv = torch.full((M, N), 7.0, **f32).to(E4M3), torch.full((M, 1), float("nan"), **f32)
         if producer.endswith("layer_norm"):
-            y, mean, rstd = torch.full_like(x, float("nan")), torch.empty(M, **f32), torch.empty(M, **f32)
+            y = torch.full_like(x, float("nan"))
+            mean, rstd = torch.full((M,), float("nan"), **f32), torch.full((M,), float("nan"), **f32)
             s = torch.full_like(x, float("nan")) if producer == "add_layer_norm" else None
             LN.launch(x, w, b, y, mean, rstd, q, inv, 1e-5, t, r_MN=None if s is None else r, s_MN=s)
             return [q.view(torch.uint8), inv, y, mean, rstd] + ([] if s is None else [s])
