@@ -3,7 +3,6 @@ code for the same unfused ops, and a sweep of their tilings, in one run on one G
 
     python benchmarks/fp8_cast.py                # 355M and 1.3B shapes, markdown to stdout
     python benchmarks/fp8_cast.py --sweep        # also every tiling of the sweep
-    python benchmarks/fp8_cast.py --folds        # also the column-sum partials' fold sizes
 
 Each case is one tensor of a GPT-2 step at batch 16 x 1024 (M = 16,384 token rows) under
 ``Float8(recipe="rowwise")``: the MLP's GELU gradient (``gelu_backward_fp8``), its activation
@@ -12,9 +11,7 @@ backward as transposed heads (``cat_rowwise_fp8``), a residual-stream gradient
 (``rowwise_fp8``), and a layer norm's output (``layer_norm_fp8``: the norm and its cast). "Inductor" is ``torch.compile`` of the reference (the ops the float8 pass
 emits when nothing is fused). GB/s counts the bytes each must move (inputs read once, outputs
 written once), against a device-to-device copy of 1 GiB in the same run. Times are medians of
-``triton.testing.do_bench`` (CUDA events); ``--folds`` times the kernel with its column sums
-(the tickets' memset, the fold, the last ``column_sum``) replayed in a CUDA graph, as in a step
-(``do_bench_cudagraph``), for each fold size (``column_sum.Partials``; 1: no fold).
+``triton.testing.do_bench`` (CUDA events).
 """
 
 from __future__ import annotations
@@ -25,12 +22,11 @@ import platform
 
 import torch
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
 
 from fsg._src.kernels import float8_cast as K
 from fsg._src.kernels import layer_norm_fp8 as LN
 from fsg._src.kernels._common import RowTiling
-from fsg._src.kernels.column_sum import FOLD, Partials
 
 M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps, software-pipeline
@@ -38,7 +34,6 @@ M = 16384
 # everywhere, by 1.5-10x
 SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
 WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths
-FOLDS = (1, 4, 8, 16, 32, 64)  # --folds: partial rows folded into one (1: all summed by column_sum)
 
 
 def _ms(fn) -> float:
@@ -82,9 +77,8 @@ def _add_layer_norm_reference(x, r, w, b, eps):
     return (s, *LN.layer_norm_fp8_reference(s, w, b, eps))
 
 
-def _launcher(kind: str, args, t: RowTiling, fold: int = FOLD):
-    """A launch of the kernel with tiling ``t`` (outputs allocated once) and, where it sums
-    columns, its partials (``fold`` rows folded into one) summed."""
+def _launcher(kind: str, args, t: RowTiling):
+    """A launch of the kernel alone with tiling ``t`` (outputs allocated once)."""
     if kind in ("layer_norm", "add_layer_norm"):
         x, r, w, b, eps = args if kind == "add_layer_norm" else (args[0], None, *args[1:])
         f32 = {"dtype": torch.float32, "device": "cuda"}
@@ -104,13 +98,13 @@ def _launcher(kind: str, args, t: RowTiling, fold: int = FOLD):
     colsum = not kind.startswith("gelu:")
     q = torch.empty((M_, N), dtype=K.E4M3, device="cuda")
     inv = torch.empty((M_, 1), dtype=torch.float32, device="cuda")
+    part = torch.empty((t.programs, N), dtype=torch.float32, device="cuda") if colsum else None
     g = None if kind == "identity" else torch.empty((M_, N), dtype=torch.bfloat16, device="cuda")
 
     def run():
-        part = Partials(t.programs, N, "cuda", fold) if colsum else None  # the tickets zeroed each call, as in a step
         K.launch(xs, h, g, q, inv, part, producer, t)
         if part is not None:
-            part.sums()
+            part.sum(0)
 
     return run
 
@@ -126,7 +120,6 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every tiling of the sweep")
     parser.add_argument("--models", default="355M,1.3B", help="which models' widths: 355M (1024), 1.3B (2048)")
     parser.add_argument("--wide", action="store_true", help="the sweep over 1-2 rows a tile, 512-4096 programs, 4-32 warps")
-    parser.add_argument("--folds", action="store_true", help="time each fold size of the column-sum partials")
     args = parser.parse_args()
     copy_gbs = _copy_gbs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}")
@@ -142,19 +135,12 @@ def main() -> None:
         for label, t in (("Inductor (unfused ops, compiled)", t_ind), ("fsg fused op (default tiling)", t_op)):
             gbs = moved / t / 1e6
             print(f"| {name} | {label} | {t:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / t:.2f}x |", flush=True)
+        if not args.sweep:
+            continue
         xs0 = inputs[0][0] if kind == "cat" else inputs[0]
         C = xs0.shape[-1]
         pieces = 3 if kind == "cat" else 1
         colsum = not kind.startswith(("gelu:", "layer_norm", "add_layer_norm"))
-        if args.folds and colsum:
-            t_default = K.tiling(M, C, kind if kind != "cat" else "identity", pieces)
-            for fold in FOLDS:
-                ms = do_bench_cudagraph(_launcher(kind, inputs, t_default, fold), rep=100, return_mode="median")
-                gbs = moved / ms / 1e6
-                label = f"kernel + column sums, CUDA graph, fold={fold} ({t_default.programs} partial rows)"
-                print(f"| {name} | {label} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / ms:.2f}x |", flush=True)
-        if not args.sweep:
-            continue
         best = None
         for rows, programs, warps, stages in itertools.product(*(WIDE if args.wide else SWEEP)):
             if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):

@@ -90,9 +90,6 @@ Implementations (--impl):
   any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
             software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
             fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
-  any fsg implementation + -nofold   the fused kernels' column-sum partials not folded in the
-            kernel (column_sum.FOLD = 1: every program's row summed by one column_sum launch,
-            as before 2026-12-05's twenty-ninth session)
 """
 
 from __future__ import annotations
@@ -204,11 +201,9 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     else:
-        from fsg._src.kernels import column_sum, float8_cast_kernel
+        from fsg._src.kernels import float8_cast_kernel
         from fsg._src.passes import float8_fuse, pack_attention_grads
 
-        column_sum.FOLD = 1 if impl.endswith("-nofold") else 16
-        impl = impl.removesuffix("-nofold")
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
         impl = impl.removesuffix("-s3")
         float8_fuse.FUSE_LAYER_NORMS = impl.endswith("-ln")

@@ -16,32 +16,7 @@ from hypothesis import strategies as st
 from fsg._src.kernels import float8_cast as K
 from fsg._src.kernels import float8_cast_kernel as KK
 from fsg._src.kernels._common import RowTiling
-from fsg._src.kernels.column_sum import Partials
 from tests.kernels.common import KERNEL, needs_triton, rel
-
-FOLDS = st.sampled_from([1, 2, 4, 16])  # partial rows a group's last program folds into one
-
-
-def blank_partials(programs: int, n: int, fold: int) -> Partials:
-    """``Partials`` whose rows (and folded rows) are NaN until the kernel writes them."""
-    p = Partials(programs, n, "cpu", fold)
-    p.rows.fill_(float("nan"))
-    p.folded.fill_(float("nan"))
-    return p
-
-
-def folded_sums(p: Partials) -> torch.Tensor:
-    """``p.sums()``, once checked that every program wrote its row and, where the kernel
-    folds, that every program of each group took a ticket and the group's rows were added
-    into its folded row."""
-    assert not p.rows.isnan().any()
-    if p.fold > 1:
-        programs = p.rows.shape[0]
-        sizes = [min(p.fold, programs - first) for first in range(0, programs, p.fold)]
-        assert p.tickets.tolist() == sizes
-        want = torch.stack([p.rows[first : first + p.fold].sum(0) for first in range(0, programs, p.fold)])
-        torch.testing.assert_close(p.folded, want, rtol=1e-6, atol=1e-6)
-    return p.sums()
 
 
 def check_against_reference(dy, h, approximate, g, scaled, inv, colsum):
@@ -60,9 +35,9 @@ def check_against_reference(dy, h, approximate, g, scaled, inv, colsum):
 @KERNEL
 @given(
     st.integers(1, 40), st.integers(1, 300), st.sampled_from(K.APPROXIMATIONS), st.sampled_from([None, 1, 3]),
-    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 3]), FOLDS,
+    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 3]),
 )  # fmt: skip
-def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate, iters, rows, seed, stages, fold):
+def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate, iters, rows, seed, stages):
     """Tiles and iterations that do not divide M leave partly masked tiles (a pipelined row
     loop too: ``stages``); a row of zeros
     gets a finite scale; each row's largest element scales to the FP8 maximum; the column
@@ -76,10 +51,10 @@ def test_kernel_writes_every_output_and_matches_the_reference(m, n, approximate,
     g = torch.full((m, n), float("nan"))
     q = torch.full((m, n), float("nan"))  # float32: see the module docstring
     inv = torch.full((m, 1), float("nan"))
-    part, amax_part = blank_partials(t.programs, n, fold), torch.zeros(1 + seed % 3, n)  # any rows: folded
+    part, amax_part = torch.full((t.programs, n), float("nan")), torch.zeros(1 + seed % 3, n)  # any rows: folded
     K.launch([dy], h, g, q, inv, part, f"gelu_backward:{approximate}", t, amax_part)
-    assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any())
-    check_against_reference(dy, h, approximate, g, q, inv, folded_sums(part))
+    assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any() or part.isnan().any())
+    check_against_reference(dy, h, approximate, g, q, inv, part.sum(0))
     assert torch.equal(amax_part.amax(0), g.abs().amax(0))
     nonzero = g.abs().amax(1) > 0
     assert torch.allclose(q.abs().amax(1)[nonzero], torch.tensor(448.0), rtol=1e-6) and not q[0].any()
@@ -141,16 +116,16 @@ def test_a_measured_tiling_covers_every_row_once_with_its_warps_and_programs(m, 
 
 @needs_triton
 @KERNEL
-@given(st.integers(1, 40), st.integers(1, 300), st.integers(0, 2**31 - 1), FOLDS)
-def test_identity_producer_casts_the_rows_it_reads(m, n, seed, fold):
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(0, 2**31 - 1))
+def test_identity_producer_casts_the_rows_it_reads(m, n, seed):
     """``rowwise_fp8``'s launch: the rows as given, cast with their column sums."""
     x = torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * 5
     t = K.tiling(m, n)
     q, inv = torch.full((m, n), float("nan")), torch.full((m, 1), float("nan"))
-    part, amax_part = blank_partials(t.programs, n, fold), torch.zeros(1 + seed % 3, n)
+    part, amax_part = torch.full((t.programs, n), float("nan")), torch.zeros(1 + seed % 3, n)
     K.launch([x], None, None, q, inv, part, "identity", t, amax_part)
     _, inv_ref, colsum_ref, colamax_ref = K.rowwise_fp8_reference(x, column_amax=True)
-    assert rel(inv, inv_ref) < 1e-5 and rel(folded_sums(part), colsum_ref) < 1e-5
+    assert rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
     assert torch.equal(amax_part.amax(0), colamax_ref)
     assert rel(q, (x / inv_ref).clamp(-448, 448)) < 1e-5
 
@@ -186,9 +161,9 @@ def test_gelu_producer_writes_the_activation_and_its_cast(m, n, approximate, see
 @KERNEL
 @given(
     st.integers(1, 40), st.integers(1, 100), st.sampled_from([2, 3]), st.sampled_from([None, 1, 3]),
-    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1), FOLDS,
+    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1),
 )  # fmt: skip
-def test_concatenation_reads_strided_pieces_in_place(m, c, pieces, iters, rows, seed, fold):
+def test_concatenation_reads_strided_pieces_in_place(m, c, pieces, iters, rows, seed):
     """A concatenation of pieces that are transposed views (as attention's gradients come):
     the kernel reads each through its row stride and writes ``cat``, its cast, scales and
     column sums; one row all zeros in every piece gets a finite scale."""
@@ -203,11 +178,11 @@ def test_concatenation_reads_strided_pieces_in_place(m, c, pieces, iters, rows, 
     assert all(v.data_ptr() == x.data_ptr() for v, x in zip(views, xs))  # read in place, not copied
     t = RowTiling(m, c, rows=rows, iters=iters)
     n = c * pieces
-    g, q, inv = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1)))
-    part, amax_part = blank_partials(t.programs, n, fold), torch.zeros(1 + seed % 3, n)
+    g, q, inv, part = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1), (t.programs, n)))
+    amax_part = torch.zeros(1 + seed % 3, n)
     K.launch(views, None, g, q, inv, part, "identity", t, amax_part)
     g_ref, _, inv_ref, colsum_ref, colamax_ref = K.cat_rowwise_fp8_reference(xs, column_amax=True)
-    assert torch.equal(g, g_ref) and rel(inv, inv_ref) < 1e-5 and rel(folded_sums(part), colsum_ref) < 1e-5
+    assert torch.equal(g, g_ref) and rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
     assert torch.equal(amax_part.amax(0), colamax_ref)  # each piece's maxima in its own columns
     assert rel(q, (g_ref / inv_ref).clamp(-448, 448)) < 1e-5 and not q[0].any()
 

@@ -14,8 +14,7 @@ cast off, produces ``g``, writes it and sums its columns in the same visit:
   piece by piece where attention's backward wrote it (transposed heads included).
 
 Each program keeps a float32 row of column sums of the rows it walks, as the readers see them
-(rounded to ``g``'s dtype); the last program of each group of 16 adds its group's rows into
-one, and one ``column_sum`` launch adds those (``column_sum.Partials``). The sums equal
+(rounded to ``g``'s dtype); one ``column_sum`` launch adds the programs' rows. The sums equal
 Inductor's to float32 rounding (``tests/kernels/test_bias_grad.py``).
 """
 
@@ -26,7 +25,7 @@ import math
 import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
-from fsg._src.kernels.column_sum import Partials
+from fsg._src.kernels.column_sum import column_sum
 from fsg._src.kernels.float8_cast import _rows_of
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import launch
@@ -57,10 +56,10 @@ def gelu_backward_colsum(dy: torch.Tensor, h: torch.Tensor, approximate: str) ->
     N = dy.shape[-1]
     dy_MN, h_MN = dy.reshape(-1, N).contiguous(), h.reshape(-1, N).contiguous()
     t = tiling(dy_MN.shape[0], N)
-    part = Partials(t.programs, N, dy.device)
+    part = torch.empty((t.programs, N), dtype=torch.float32, device=dy.device)
     g_MN = torch.empty_like(dy_MN)
     launch([dy_MN], h_MN, g_MN, None, None, part, f"gelu_backward:{approximate}", t)
-    return g_MN.reshape(dy.shape), part.sums()
+    return g_MN.reshape(dy.shape), column_sum(part)
 
 
 @torch.library.custom_op("fsg::cat_colsum", mutates_args=())
@@ -74,10 +73,10 @@ def cat_colsum(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     pieces = [_rows_of(x) for x in xs]
     (M, C), N = pieces[0].shape, xs[0].shape[-1] * len(xs)
     t = tiling(M, C)
-    part = Partials(t.programs, N, xs[0].device)
+    part = torch.empty((t.programs, N), dtype=torch.float32, device=xs[0].device)
     g_MN = torch.empty((M, N), dtype=xs[0].dtype, device=xs[0].device)
     launch(pieces, None, g_MN, None, None, part, "identity", t)
-    return g_MN.reshape(*xs[0].shape[:-1], N), part.sums()
+    return g_MN.reshape(*xs[0].shape[:-1], N), column_sum(part)
 
 
 @gelu_backward_colsum.register_fake

@@ -7,12 +7,6 @@ replayed CUDA graph that memset is a node of its own, and each memset/kernel han
 1.5-3 us on an H200, more than the sum itself (GPT-2 124M: 56 such sums a step, ~0.65 ms;
 benchmarks/RESULTS.md). Here each program owns ``BLOCK_C`` columns and walks every row in
 order, so the sum is one kernel, deterministic, with no workspace and no atomics.
-
-A kernel whose programs each leave a partial row (``Partials``) can fold them itself: the last
-program of each group of ``FOLD`` to finish (an atomic ticket tells it) adds the group's rows
-into one row while they are still in L2 (``fold_partials``). ``column_sum`` then reads
-``FOLD`` times fewer rows. The sums stay deterministic: which program folds changes, the
-order of the additions does not.
 """
 
 from __future__ import annotations
@@ -21,7 +15,6 @@ import torch
 
 from fsg._src.kernels._common import tl, triton, use_triton
 
-FOLD = 16  # partial rows a group's last program folds into one (``Partials``)
 BLOCK_C = 16  # columns a program: 48 programs for 768 columns, 192 for 3072
 MAX_BLOCK_R = 1024  # rows a program holds at once (16K float32 over 8 warps: 64 registers a thread)
 
@@ -55,51 +48,3 @@ def column_sum(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
     block_r = min(MAX_BLOCK_R, triton.next_power_of_2(R))
     _column_sum_kernel[(triton.cdiv(C, BLOCK_C),)](x, result, R, C, BLOCK_R=block_r, BLOCK_C=BLOCK_C, num_warps=8)
     return result if out is None or direct else out.copy_(result.reshape(out.shape))
-
-
-@triton.jit
-def fold_partials(part_ptr, tickets_ptr, folded_ptr, pid, programs, N, FOLD: tl.constexpr, BLOCK: tl.constexpr):
-    """Called by every program ``pid`` of ``programs`` once it stored its row of the
-    ``[programs, N]`` partials: the last of its group of ``FOLD`` programs to get here sums the
-    group's rows (in one fixed order, whichever program it is) into row ``pid // FOLD`` of ``folded`` (``BLOCK`` columns at a
-    time). ``tickets`` (int32, a zero a group) counts the arrivals."""
-    group = pid // FOLD
-    first = group * FOLD
-    size = tl.minimum(programs - first, FOLD)
-    tl.debug_barrier()  # every thread's stores issued before the release below (Inductor's grid barrier does so)
-    arrived = tl.atomic_add(tickets_ptr + group, 1, sem="acq_rel")
-    if arrived == size - 1:  # the group's other rows are written and visible
-        tl.debug_barrier()
-        rows = first + tl.arange(0, FOLD)
-        for start in range(0, N, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = (rows < first + size)[:, None] & (cols < N)[None, :]
-            tile = tl.load(part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(folded_ptr + group.to(tl.int64) * N + cols, tl.sum(tile, axis=0), mask=cols < N)
-
-
-class Partials:
-    """The float32 partial rows a kernel's programs leave for its column sums (``rows``, one a
-    program) and, where the kernel folds them (``fold`` > 1: ``fold_partials``), the zeroed
-    tickets and the folded rows; ``sums()`` is the column sums, from the fewer rows. ``fold``
-    defaults to ``FOLD`` as it is when the partials are made."""
-
-    def __init__(self, programs: int, N: int, device, fold: int | None = None):
-        fold = FOLD if fold is None else fold
-        if fold < 1 or fold & (fold - 1):
-            raise ValueError(f"Partials: fold={fold} must be a power of two >= 1 (the rows of one of the kernel's tiles)")
-        f32 = {"dtype": torch.float32, "device": device}
-        self.rows = torch.empty((programs, N), **f32)
-        self.fold = fold if fold > 1 and programs > 1 else 1
-        groups = -(-programs // self.fold)
-        folds = self.fold > 1
-        self.tickets = torch.zeros(groups, dtype=torch.int32, device=device) if folds else self.rows
-        self.folded = torch.empty((groups, N), **f32) if folds else self.rows
-
-    def block(self, num_warps: int) -> int:
-        """The columns a fold reads at a time: 64 float32 a thread."""
-        return max(16, min(triton.next_power_of_2(self.rows.shape[1]), 64 * 32 * num_warps // self.fold))
-
-    def sums(self) -> torch.Tensor:
-        """The column sums ``[N]`` (float32), once the kernel ran."""
-        return column_sum(self.folded)

@@ -14,8 +14,7 @@ the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). O
 - ``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)``, read by the
   grad-input matmul (FP8, a scale per row), the grad-weight matmul (``g`` in bfloat16) and the
   bias gradient (``g``'s column sums): writes ``g``, its FP8 copy and inverse scales, and
-  float32 column-sum partials (a row a program, folded 16 into one in the kernel, the rest
-  summed by one ``column_sum`` launch: ``column_sum.Partials``).
+  float32 column-sum partials (``PROGRAMS`` rows at most, summed by one ``column_sum`` launch).
 - ``gelu_fp8``: the MLP's activation ``a = gelu(h)``, read by the down-projection (FP8) and
   its grad-weight (bfloat16): writes ``a``, its FP8 copy and scales.
 - ``cat_rowwise_fp8``: a fused qkv projection's gradient, ``cat([dq, dk, dv], -1)``, whose
@@ -41,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
-from fsg._src.kernels.column_sum import Partials
+from fsg._src.kernels.column_sum import column_sum
 from fsg._src.kernels.float8_cast_kernel import AMAX_ROWS, launch, tiling
 from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
 from fsg._src.kernels.float8_cast_kernel import E4M3 as E4M3
@@ -89,7 +88,7 @@ def _outputs(M: int, N: int, device, t: RowTiling, colsum: bool, column_amax: bo
     """The FP8 copy, the inverse scales and the column-sum and column-amax partials (or ``None``)."""
     f32 = {"dtype": torch.float32, "device": device}
     q, inv = torch.empty((M, N), dtype=E4M3, device=device), torch.empty((M, 1), **f32)
-    colsum_part = Partials(t.programs, N, device) if colsum else None
+    colsum_part = torch.empty((t.programs, N), **f32) if colsum else None
     return q, inv, colsum_part, torch.zeros((min(AMAX_ROWS, t.programs), N), **f32) if column_amax else None
 
 
@@ -121,7 +120,7 @@ def gelu_backward_fp8(
     q_MN, inv_M1, part, amax_part = _outputs(dy_MN.shape[0], N, dy.device, t, True, column_amax)
     g_MN = torch.empty_like(dy_MN)
     launch([dy_MN], h_MN, g_MN, q_MN, inv_M1, part, f"gelu_backward:{approximate}", t, amax_part)
-    return g_MN.reshape(dy.shape), q_MN, inv_M1, part.sums(), _column_amax(amax_part, N, dy.device)
+    return g_MN.reshape(dy.shape), q_MN, inv_M1, column_sum(part), _column_amax(amax_part, N, dy.device)
 
 
 @torch.library.custom_op("fsg::gelu_fp8", mutates_args=())
@@ -155,7 +154,7 @@ def rowwise_fp8(
     t = tiling(*x_MN.shape)
     q_MN, inv_M1, part, amax_part = _outputs(*x_MN.shape, x.device, t, True, column_amax)
     launch([x_MN], None, None, q_MN, inv_M1, part, "identity", t, amax_part)
-    return q_MN, inv_M1, part.sums(), _column_amax(amax_part, x_MN.shape[1], x.device)
+    return q_MN, inv_M1, column_sum(part), _column_amax(amax_part, x_MN.shape[1], x.device)
 
 
 @torch.library.custom_op("fsg::cat_rowwise_fp8", mutates_args=())
@@ -175,7 +174,7 @@ def cat_rowwise_fp8(
     q_MN, inv_M1, part, amax_part = _outputs(M, N, xs[0].device, t, True, column_amax)
     g_MN = torch.empty((M, N), dtype=xs[0].dtype, device=xs[0].device)
     launch(pieces, None, g_MN, q_MN, inv_M1, part, "identity", t, amax_part)
-    return g_MN.reshape(*xs[0].shape[:-1], N), q_MN, inv_M1, part.sums(), _column_amax(amax_part, N, xs[0].device)
+    return g_MN.reshape(*xs[0].shape[:-1], N), q_MN, inv_M1, column_sum(part), _column_amax(amax_part, N, xs[0].device)
 
 
 def _fake_rows(x: torch.Tensor, column_amax: bool, N: int | None = None, colsum: bool = True):

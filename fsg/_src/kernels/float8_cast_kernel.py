@@ -15,7 +15,6 @@ import math
 import torch
 
 from fsg._src.kernels._common import RowTiling, tl, triton
-from fsg._src.kernels.column_sum import Partials, fold_partials
 
 E4M3 = torch.float8_e4m3fn
 EPS = 1e-12  # the smallest amax a scale is computed from (the float8 pass's casts use it too)
@@ -87,16 +86,15 @@ def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
 
 @triton.jit
 def _rowwise_fp8_kernel(
-    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, tickets_ptr, folded_ptr, colamax_part_ptr,
-    amax_rows, M, C, s0, s1, s2, fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr,
-    COLSUM: tl.constexpr, COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
-    QUANT: tl.constexpr = True, STAGES: tl.constexpr = 1, FOLD: tl.constexpr = 1, FOLD_BLOCK: tl.constexpr = 16,
+    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, amax_rows, M, C,
+    s0, s1, s2, fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
+    COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = True,
+    STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     """Rows ``g``, the concatenation of ``PIECES`` pieces ``C`` wide (each from ``x_i``, row
     stride ``s_i``), produced and, when ``QUANT``, cast row by row to FP8 with their inverse
     scales; ``g`` itself stored when ``WRITE_G``; one float32 row of column sums per program
-    when ``COLSUM`` (folded ``FOLD`` rows into one by each group's last program, when
-    ``FOLD`` > 1); the column maxima of ``|g|`` folded into ``amax_rows`` zeroed rows when
+    when ``COLSUM``; the column maxima of ``|g|`` folded into ``amax_rows`` zeroed rows when
     ``COLAMAX``."""
     pid = tl.program_id(0)
     N = C * PIECES
@@ -142,8 +140,6 @@ def _rowwise_fp8_kernel(
                 colamax2 = tl.maximum(colamax2, tl.max(tl.abs(g2), axis=0))
     if COLSUM:
         _store_partials(colsum_part_ptr, colsum0, colsum1, colsum2, pid, N, C, cols, PIECES)
-        if FOLD > 1:
-            fold_partials(colsum_part_ptr, tickets_ptr, folded_ptr, pid, tl.num_programs(0), N, FOLD, FOLD_BLOCK)
     if COLAMAX:  # into row pid % amax_rows of a small zeroed buffer that stays in L2 (max: any order)
         _max_partials(colamax_part_ptr, colamax0, colamax1, colamax2, pid % amax_rows, N, C, cols, PIECES)
 
@@ -204,14 +200,14 @@ TILES: dict[tuple[str, int], tuple[int, int]] = {
 
 
 def launch(
-    xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum: Partials | None, producer: str,
+    xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum_part_PN, producer: str,
     t: RowTiling | None = None, colamax_part_PN: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
     stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the GELU input of a
     ``"gelu_backward:*"`` producer (``x``'s strides), else ``None``; ``g_MN`` ``None`` where
-    the rows are not written (``"identity"`` with one piece); ``colsum`` ``None`` for no
-    column sums, else ``Partials`` of ``t.programs`` rows (``colsum.sums()`` after the launch);
+    the rows are not written (``"identity"`` with one piece); ``colsum_part_PN`` ``None``
+    for no column sums, else ``t.programs`` rows whose sum is the column sums;
     ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose maximum
     becomes the column maxima of ``|g|``. ``q_MN`` is
     scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
@@ -225,15 +221,12 @@ def launch(
     strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
     x0 = xs[0]
     q_MN, inv_M = (x0, x0) if q_MN is None else (q_MN, inv_M)  # unused where not QUANT
-    assert colsum is None or colsum.rows.shape == (t.programs, C * len(xs)), "a partial row a program"
-    parts = (q_MN, q_MN, q_MN) if colsum is None else (colsum.rows, colsum.tickets, colsum.folded)
     _rowwise_fp8_kernel[(t.programs,)](
         x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
-        q_MN, inv_M, *parts, q_MN if colamax_part_PN is None else colamax_part_PN,
+        q_MN, inv_M, *(q_MN if p is None else p for p in (colsum_part_PN, colamax_part_PN)),
         1 if colamax_part_PN is None else colamax_part_PN.shape[0], M, C, *strides,
         float(torch.finfo(E4M3).max), EPS,
         PRODUCER=PRODUCERS[producer], PIECES=len(xs), WRITE_G=g_MN is not None,
-        COLSUM=colsum is not None, COLAMAX=colamax_part_PN is not None,
+        COLSUM=colsum_part_PN is not None, COLAMAX=colamax_part_PN is not None,
         ROWS=t.rows, ITERS=t.iters, BLOCK=t.block, QUANT=quant, STAGES=t.stages, num_warps=t.num_warps,
-        FOLD=1 if colsum is None else colsum.fold, FOLD_BLOCK=16 if colsum is None else colsum.block(t.num_warps),
     )  # fmt: skip
