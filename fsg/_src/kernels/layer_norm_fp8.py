@@ -19,6 +19,8 @@ rounded to its dtype, ``scale = fp8_max / max(amax, eps)``, ``q = saturate(y * s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
@@ -98,10 +100,14 @@ def layer_norm_fp8_reference(x, weight, bias, eps: float):
 def _statistics_like(x: torch.Tensor) -> torch.dtype:
     """The dtype ``aten.native_layer_norm`` gives its mean and rstd for ``x``: ``x``'s on CPU;
     elsewhere its meta function's (float32 for a half-precision input, as CUDA's kernel)."""
-    if x.device.type == "cpu":
-        return x.dtype
-    meta = torch.empty((1, x.shape[-1]), dtype=x.dtype, device="meta")
-    return torch.ops.aten.native_layer_norm.default(meta, [x.shape[-1]], None, None, 1e-5)[1].dtype
+    return x.dtype if x.device.type == "cpu" else _meta_statistics_dtype(x.dtype)
+
+
+@functools.cache
+def _meta_statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Asked once a dtype: the meta function runs in Python, slower than the kernel it describes."""
+    meta = torch.empty((1, 8), dtype=dtype, device="meta")
+    return torch.ops.aten.native_layer_norm.default(meta, [8], None, None, 1e-5)[1].dtype
 
 
 def _run(x: torch.Tensor, residual: torch.Tensor | None, weight, bias, eps: float) -> tuple[torch.Tensor, ...]:
