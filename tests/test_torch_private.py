@@ -1,5 +1,7 @@
 """Pins each private torch API that fsg uses (all imported in fsg/_src/_torch_private.py)."""
 
+import io
+
 import pytest
 import torch
 
@@ -83,6 +85,50 @@ def test_is_pure_op_reads_the_schema():
     assert not _torch_private.is_pure_op(torch.ops.aten.copy_.default)
     assert not _torch_private.is_pure_op(torch.ops.fsg.fused_adamw_.default)
     assert not _torch_private.is_pure_op("output")
+
+
+@torch.library.custom_op("fsg_test::scaled_sum", mutates_args=())
+def _scaled_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 2 * x + y
+
+
+@_scaled_sum.register_fake
+def _(x, y):
+    return torch.empty_like(x)
+
+
+def test_inductor_compile_gives_custom_ops_their_fallback_lowering_up_front(monkeypatch):
+    """A custom op in the graph gets Inductor's fallback lowering before the compile (what its
+    implicit fallback would do), so the implicit path never formats the op's arguments: torch
+    2.11 did so eagerly, exponentially along a chain of opaque ops (here it would be asked
+    only where its log is on: it is, and nothing may be formatted). A chain of 40 compiles
+    and computes what eager does."""
+    import logging
+
+    from torch._inductor import config, exc, lowering
+
+    op = torch.ops.fsg_test.scaled_sum.default
+    assert op not in lowering.lowerings
+    formatted = []
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(lambda *a: formatted.append(a) or ""))
+    graph_log = logging.getLogger("torch._inductor.graph")
+    handler = logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(graph_log, "level", logging.INFO)
+    graph_log.addHandler(handler)
+
+    def fn(x, y):
+        for _ in range(40):
+            x, y = op(x, y), op(y, x)
+        return (x + y,)
+
+    x, y = torch.randn(8) * 1e-6, torch.randn(8) * 1e-6
+    try:
+        with config.patch(force_disable_caches=True):
+            (out,) = _torch_private.inductor_compile(_torch_private.trace_fake(fn, x, y), [x, y])(x, y)
+    finally:
+        graph_log.removeHandler(handler)
+    assert op in lowering.lowerings and not formatted
+    torch.testing.assert_close(out, fn(x, y)[0])
 
 
 def test_inductor_compile_runs_an_aten_graph_with_input_mutation():

@@ -34,8 +34,7 @@ __all__ = [  # fmt: skip
     "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
-# What tracing raises when Python needs the value of a tensor (``if x > 0:``, ``.item()`` on
-# torch versions that do not capture scalar outputs).
+# What tracing raises when Python needs a tensor's value (``if x > 0:``; ``.item()`` where not captured).
 DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (DataDependentOutputException, GuardOnDataDependentSymNode)
 
 DYNAMIC_SHAPE_ERROR = DynamicOutputShapeException  # an op whose output shape tracing cannot know (``.func``)
@@ -59,13 +58,11 @@ def is_collective(target: Any) -> bool:  # a functional collective (or its wait)
     return isinstance(target, OpOverload) and target.namespace == "_c10d_functional"
 
 
-def is_pure_op(target: Any) -> bool:
-    """Whether an FX node target is an aten-style op whose schema mutates none of its inputs."""
+def is_pure_op(target: Any) -> bool:  # an aten-style op whose schema mutates none of its inputs
     return isinstance(target, OpOverload) and not target._schema.is_mutable
 
 
-def version(t: torch.Tensor) -> int:
-    """``t``'s version counter, shared with its views: every in-place write moves it."""
+def version(t: torch.Tensor) -> int:  # t's version counter, shared with its views: every in-place write moves it
     return t._version
 
 
@@ -88,8 +85,8 @@ def dtensor_index_put_rule_is_positional() -> bool:
 
 
 def default_store() -> Any:
-    """The key-value store of the default process group (``torch.distributed.Store``), which
-    every rank reaches without a collective; ``None`` when no process group is initialized."""
+    """The default process group's key-value store (``torch.distributed.Store``), which every
+    rank reaches without a collective; ``None`` when no process group is initialized."""
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
@@ -118,8 +115,7 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def view_base(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
+def view_base(t: torch.Tensor) -> torch.Tensor:  # the tensor whose storage t views (t itself if not a view)
     return t if t._base is None else t._base
 
 
@@ -229,8 +225,7 @@ def functionalize(
     )(*inputs)
 
 
-def fake_mode() -> FakeTensorMode:
-    """A fake-tensor mode that accepts real constants, for running graphs without data."""
+def fake_mode() -> FakeTensorMode:  # a fake-tensor mode that accepts real constants: graphs run without data
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
@@ -253,7 +248,14 @@ def inductor_compile(
 ) -> Callable[..., Any]:
     """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
     dtypes and strides, without Dynamo re-tracing it (``standalone_compile``, torch 2.8+), its
-    on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``)."""
+    on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``).
+    Custom ops get Inductor's implicit fallback up front (``make_fallback``): torch 2.11 formats
+    their arguments eagerly on its way there, exponentially along a chain of opaque ops."""
+    from torch._inductor import config, decomposition, lowering
+
+    for op in {n.target for n in gm.graph.nodes if isinstance(n.target, OpOverload)} - lowering.lowerings.keys():
+        if config.implicit_fallbacks and not torch._library.utils.is_builtin(op) and op not in decomposition.decompositions:
+            lowering.make_fallback(op, warn=False)
     return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
 
 
@@ -290,9 +292,8 @@ def buffer_storage(name: str, wrapper: Any = None) -> str:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` a pass may rewrite without touching ``gm``: new nodes, their metadata and
-    the constants shared, the code generator (``Graph._codegen``: how inputs and outputs are
-    flattened) kept."""
+    """A copy of ``gm`` a pass may rewrite: new nodes, their metadata and the constants shared,
+    the code generator (``Graph._codegen``: how inputs and outputs are flattened) kept."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = copy.deepcopy(gm.graph._codegen)
