@@ -98,7 +98,6 @@ core_decompositions = core_aten_decompositions  # () -> torch's decompositions t
 def all_decompositions() -> dict[Any, Callable[..., Any]]:  # every registered Python decomposition
     return dict(decomposition_table)
 
-
 # ``functional_call``'s context manager (module, tensors, tie_weights, strict): the module's tensors
 # are these until exit (fsg.apply keeps it open through the backward, where checkpointing reruns).
 reparametrize = _reparametrize_module
@@ -254,7 +253,8 @@ def inductor_compile(
     from torch._inductor import config, decomposition, lowering
 
     for op in {n.target for n in gm.graph.nodes if isinstance(n.target, OpOverload)} - lowering.lowerings.keys():
-        if config.implicit_fallbacks and not torch._library.utils.is_builtin(op) and op not in decomposition.decompositions:
+        inductor_own = torch._library.utils.is_builtin(op) or op.name().split(".")[0] in lowering.FALLBACK_ALLOW_LIST
+        if config.implicit_fallbacks and not inductor_own and op not in decomposition.decompositions:
             lowering.make_fallback(op, warn=False)
     return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
 
