@@ -113,3 +113,31 @@ def test_a_buffer_written_but_not_in_the_state_is_refused_with_the_fix(norm):
     step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b["x"]).square().mean(),
                             optimizer=fsg.optim.sgd(0.1), backend="eager")  # fmt: skip
     step(step.init(fsg.params(model)), {"x": torch.randn(8, 3)})
+
+
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("param", [torch.float32, torch.float64])
+def test_buffers_follow_their_params_to_the_param_dtype(model_dtype, param):
+    """A model in another floating dtype (a bfloat16 checkpoint, a float64 model) under a
+    ``Policy(param=...)``: ``step.init`` casts its params, and its buffers of the model's dtype
+    go with them (a BatchNorm's running statistics and its weight must agree); a buffer of
+    another dtype and the integer counter keep theirs. The steps equal eager PyTorch on the
+    model moved to the param dtype with ``.to()``, which moves params and buffers alike."""
+    model = _model().to(model_dtype)
+    model.register_buffer("extra", torch.ones(8, dtype=torch.float32 if model_dtype != torch.float32 else torch.float64))
+    step = fsg.compile_step(_loss(model), optimizer=fsg.optim.sgd(0.1), backend="eager",
+                            precision=fsg.Policy(param=param, compute=param))  # fmt: skip
+    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    want = {p.dtype for p in state.params.values()}
+    assert want == {param} and state.buffers["1.running_mean"].dtype == param
+    assert state.buffers["extra"].dtype == model.extra.dtype and state.buffers["1.num_batches_tracked"].dtype == torch.int64
+    batches = [{k: v.to(param) for k, v in b.items()} for b in _batches()]
+    losses = [step_loss.item() for step_loss in _run(step, state, batches)]
+    eager, eager_losses = _eager(model.to(param), batches)
+    assert losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+
+
+def _run(step, state, batches):
+    for b in batches:
+        state, metrics = step(state, b)
+        yield metrics["loss"]

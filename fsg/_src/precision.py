@@ -157,7 +157,9 @@ class Policy(_PolicyFields):
 
     Attributes:
       param: the dtype parameters and optimizer state are kept and updated in (default
-        float32). ``step.init`` casts floating-point params to it.
+        float32). ``step.init`` casts floating-point params to it, and the state's buffers
+        of a dtype it changes (a bfloat16 model's running statistics become float32 with its
+        weights; a float32 buffer of that model stays float32).
       compute: the dtype the loss runs in (default float32). Floating-point parameters are
         cast to it where the loss reads them (before an FSDP all-gather, so gathers move the
         smaller dtype) and floating-point batch leaves on entry; gradients come back in the
@@ -227,6 +229,14 @@ class Policy(_PolicyFields):
     def cast_param(self, tree_: Any) -> Any:
         """Floating-point leaves of ``tree_`` in the param dtype; other leaves unchanged."""
         return tree.tree_map(lambda t: t.to(self.param) if t.is_floating_point() else t, tree_)
+
+    def cast_buffers(self, buffers: Any, params: Any) -> Any:
+        """``buffers`` whose dtype is one that ``cast_param`` changes in ``params`` (the model's
+        own floating dtype) in the param dtype too: a module's buffers follow its parameters, as
+        ``module.to(dtype)`` moves both (BatchNorm's running statistics must match the weight it
+        normalizes with); buffers of any other dtype unchanged."""
+        changed = {p.dtype for p in tree.flatten(params)[0] if p.is_floating_point() and p.dtype != self.param}
+        return tree.tree_map(lambda b: b.to(self.param) if b.dtype in changed else b, buffers)
 
 
 def check_policy(policy: Any) -> Policy:

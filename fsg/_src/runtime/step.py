@@ -152,7 +152,8 @@ class Step:
           params: the parameter pytree, e.g. ``fsg.params(model)``.
           seed: seeds the state's ``rng`` key.
           buffers: optional buffers (``fsg.buffers(model)``); when given and non-empty,
-            ``loss_fn`` is called as ``loss_fn(params, batch, buffers)``.
+            ``loss_fn`` is called as ``loss_fn(params, batch, buffers)``. Those of a dtype the
+            params are cast from (``Policy.param``) are cast with them.
 
         Returns:
           ``TrainState(step=0, params, opt_state=optimizer.init(params), rng, buffers, skips,
@@ -161,9 +162,10 @@ class Step:
           follows its parameter; scalars are replicated), and each rank holds only its shards.
         """
         validate.check_init(params, seed)
-        params = self._precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
         buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
         tree.check_tensor_leaves(buffers, "buffers")
+        buffers = self._precision.cast_buffers(buffers, params)  # before the params are cast: their dtypes
+        params = self._precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
         if self._mesh is not None:
             params = placement.distribute_params(params, self._mesh, self._param_sharding)
         elif self._declared_mesh is not None:  # one device: the specs are checked all the same
