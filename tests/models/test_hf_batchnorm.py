@@ -9,8 +9,9 @@ attention biases and Hardswish (LeViT), and channels-last LayerNorm with depthwi
 convolutions and layer scales (ConvNeXt, ConvNeXt V2: no buffers). SGD: AdamW would turn the
 rounding noise of gradients that are zero in exact arithmetic into full steps (see
 test_hf.py). Two steps: BatchNorm over a few 1x1 feature maps (MobileNetV2 at 32 pixels) is
-ill-conditioned, and float32 rounding differences (1e-7 after the first step) grow 10-100x a step. In float64, with a learning rate exact in float32 (fsg's learning rate
-is a float32 scalar), MobileNetV2's and LeViT's first-step parameters equal eager's bit for bit.
+ill-conditioned, and float32 rounding differences (1e-7 after the first step) grow 10-100x a
+step. In float64, with a learning rate exact in float32 (fsg's learning rate is a float32
+scalar), MobileNetV2's and LeViT's first-step parameters equal eager's bit for bit.
 """
 
 import copy
