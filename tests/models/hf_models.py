@@ -100,6 +100,29 @@ def _families() -> dict[str, tuple[Callable[[], torch.nn.Module], str]]:
             decoder_attention_heads=_HEADS, encoder_ffn_dim=_FF, decoder_ffn_dim=_FF, max_position_embeddings=_POS,
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, eos_token_id=1,
             decoder_start_token_id=0)), "seq2seq"),  # fmt: skip
+        # MORE_KINDS: multi-query attention (GPT-BigCode), QK norms (OLMo 2), parallel blocks with a logit
+        # scale (Cohere), muP-style multipliers (Granite), a factorized embedding (ELECTRA), disentangled
+        # relative attention (DeBERTa-v2), a selective state-space scan instead of attention (Mamba)
+        "gpt_bigcode": (lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_embd=_D, n_layer=2, n_head=_HEADS, n_positions=_POS, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, multi_query=True)), "lm"),  # fmt: skip
+        "stablelm": (lambda: T.StableLmForCausalLM(T.StableLmConfig(**gqa)), "lm"),
+        "olmo2": (lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**decoder, pad_token_id=1)), "lm"),
+        "cohere": (lambda: T.CohereForCausalLM(T.CohereConfig(**decoder, pad_token_id=1)), "lm"),
+        "starcoder2": (lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(
+            **gqa, residual_dropout=0.0, embedding_dropout=0.0)), "lm"),  # fmt: skip
+        "granite": (lambda: T.GraniteForCausalLM(T.GraniteConfig(**decoder)), "lm"),
+        "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(
+            vocab_size=VOCAB, n_embd=_D, n_layer=2, n_head=_HEADS, n_positions=_POS, rotary_dim=8, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0)), "lm"),  # fmt: skip
+        "electra": (lambda: T.ElectraForMaskedLM(T.ElectraConfig(
+            vocab_size=VOCAB, embedding_size=32, hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS,
+            intermediate_size=_FF, max_position_embeddings=_POS, **no_dropout)), "lm"),  # fmt: skip
+        "deberta_v2": (lambda: T.DebertaV2ForMaskedLM(T.DebertaV2Config(
+            vocab_size=VOCAB, hidden_size=_D, num_hidden_layers=2, num_attention_heads=_HEADS, intermediate_size=_FF,
+            max_position_embeddings=_POS, relative_attention=True, pos_att_type=["p2c", "c2p"], **no_dropout)), "lm"),  # fmt: skip
+        "mamba": (lambda: T.MambaForCausalLM(T.MambaConfig(
+            vocab_size=VOCAB, hidden_size=_D, num_hidden_layers=2, state_size=8, expand=2)), "lm"),  # fmt: skip
         "whisper": (lambda: T.WhisperForConditionalGeneration(T.WhisperConfig(
             vocab_size=VOCAB, num_mel_bins=16, d_model=_D, encoder_layers=1, decoder_layers=1,
             encoder_attention_heads=_HEADS, decoder_attention_heads=_HEADS, encoder_ffn_dim=_FF, decoder_ffn_dim=_FF,
@@ -112,6 +135,10 @@ def _families() -> dict[str, tuple[Callable[[], torch.nn.Module], str]]:
 KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi", "phi3", "gpt_neox", "gptj",
          "falcon", "bloom", "opt", "bert", "roberta", "distilbert", "t5", "bart", "vit", "pegasus", "whisper",
          "beit", "deit", "dinov2", "swin", "segformer", "focalnet", "poolformer")  # fmt: skip
+# more families, checked against eager PyTorch (tests/models/test_hf.py's five AdamW steps) but
+# not through every other corpus test (accumulation, FP8, batched casts, the fused loss, meshes)
+MORE_KINDS = ("gpt_bigcode", "stablelm", "olmo2", "cohere", "starcoder2", "granite", "codegen", "electra",
+              "deberta_v2", "mamba")  # fmt: skip
 
 
 def make(kind: str) -> torch.nn.Module:

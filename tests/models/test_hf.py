@@ -1,6 +1,6 @@
 """Hugging Face models go through compile_step unchanged: 5 steps equal eager PyTorch with
 torch.optim.AdamW (issue 21), over a corpus of 29 families (tests/models/hf_models.py), two with frozen parameters, eight
-of them vision models."""
+of them vision models, and ten more families (``MORE_KINDS``: GPT-BigCode to Mamba)."""
 
 import copy
 
@@ -16,7 +16,7 @@ from tests.models import hf_models  # noqa: E402
 LR, STEPS = 1e-3, 5
 
 
-@pytest.mark.parametrize("kind", hf_models.KINDS)
+@pytest.mark.parametrize("kind", hf_models.KINDS + hf_models.MORE_KINDS)
 def test_five_steps_equal_eager_pytorch_with_adamw(kind):
     model = hf_models.make(kind)
     reference = copy.deepcopy(model)
