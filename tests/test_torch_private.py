@@ -276,6 +276,25 @@ def test_functionalize_leaves_one_copy_per_written_input_at_the_end():
     torch.testing.assert_close(buf, torch.full((3,), 2.0))
 
 
+def test_functionalize_rewrites_in_place_ops_on_tensors_made_of_constants():
+    """A tensor computed from the graph's constants alone and then written in place (torch's
+    ``cross_entropy`` with a class weight, label smoothing and an ignore index fills its
+    gathered weights so) becomes out-of-place too: no write is left but the epilogue's."""
+    weight, target = torch.rand(5) + 0.5, torch.tensor([0, 3, 1, 3])
+
+    def fn(x):
+        picked = weight.gather(0, target)
+        picked.masked_fill_(target == 3, 0.0)
+        return ((x * picked).sum(),)
+
+    gm = _torch_private.trace_fake(fn, torch.randn(4))
+    assert any(n.target is torch.ops.aten.masked_fill_.Scalar for n in gm.graph.nodes)
+    functional = _torch_private.functionalize(gm)
+    assert not any(_torch_private.mutated_args(n.target) for n in functional.graph.nodes if n.op == "call_function")
+    x = torch.randn(4)
+    torch.testing.assert_close(functional(x)[0], fn(x)[0])
+
+
 def test_return_names_are_the_schemas():
     # backend/inductor.py finds the attention kernels' RNG state by these names.
     assert _torch_private.return_names(torch.ops.aten._scaled_dot_product_efficient_attention.default) == (

@@ -137,9 +137,7 @@ def draws_random(target: Any) -> bool:
     argument (``random_``, ``binomial``)."""
     if not isinstance(target, OpOverload):
         return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return True
-    return any("Generator" in str(a.type) for a in target._schema.arguments)
+    return torch.Tag.nondeterministic_seeded in target.tags or any("Generator" in str(a.type) for a in target._schema.arguments)
 
 
 @functools.cache
@@ -168,14 +166,12 @@ def aliased_args(target: Any) -> frozenset[int]:
 
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False,
                decompositions: dict[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:  # fmt: skip
-    """Traces ``fn(*args)`` to an aten FX graph on fake tensors. ``decompositions`` maps ops
-    to Python functions run in their place while tracing (the graph records what they call);
-    fsg's corrections of torch's decompositions and its rewrites of ops whose schemas hide
-    writes (``fsg/_src/decompositions.py``) always apply. Real tensors that ``fn`` closes over
-    (a module's own buffers, say) become constants of the graph (``_allow_non_fake_inputs``).
-    ``source_lines`` records each node's stack in ``node.meta["stack_trace"]`` (errors name the
-    user's line; a fifth of the trace's time). It runs under ``_traceable``; ``torch.compile``d
-    code as the Python it wraps (fsg compiles the whole step: ``error_on_nested_fx_trace``)."""
+    """Traces ``fn(*args)`` to an aten FX graph on fake tensors. ``decompositions`` maps ops to
+    Python functions run in their place (the graph records what they call); fsg's corrections
+    and rewrites (``fsg/_src/decompositions.py``) always apply. Real tensors ``fn`` closes over
+    become graph constants. ``source_lines`` records each node's stack (``meta["stack_trace"]``:
+    errors name the user's line; a fifth of the trace's time). Runs under ``_traceable``;
+    ``torch.compile``d code traces as the Python it wraps (``error_on_nested_fx_trace``)."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
     with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _traceable():
@@ -207,21 +203,25 @@ def functionalize(
     gm: torch.fx.GraphModule, decompositions: dict[Any, Callable[..., Any]] | None = None
 ) -> torch.fx.GraphModule:
     """``gm`` traced again through torch's functionalization: every in-place op becomes its
-    out-of-place form and a write to an input becomes one ``copy_`` into it at the end (the
-    last value written), so the only writes left are that epilogue. Views stay views. Nodes
-    keep their ``stack_trace`` (``preserve_node_meta``). Runs on the placeholders' fake
-    values: nothing is computed. ``decompositions`` lowers the ops functionalization emits
-    (e.g. ``aten.copy`` for a write into a slice), as ``trace``'s do the traced ones."""
+    out-of-place form and a write to an input one ``copy_`` into it at the end, so the only
+    writes left are that epilogue. Views stay views; nodes keep their ``stack_trace``; nothing
+    is computed (fake values). ``decompositions`` lowers the ops functionalization emits (e.g.
+    ``aten.copy``). Tensor constants go in as functionalized arguments too, so an in-place op
+    on a tensor computed from constants alone (``cross_entropy``'s with a class weight, label
+    smoothing and an ignore index) is made out-of-place like any other."""
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    fetch = fx.Interpreter(gm).fetch_attr
+    names = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(fetch(n.target), torch.Tensor)})
 
     def run(*args: Any) -> Any:
+        constants, interpreter = dict(zip(names, args[len(inputs) :])), fx.Interpreter(gm)
+        interpreter.fetch_attr = lambda target: constants[target] if target in constants else fetch(target)
         with fx.traceback.preserve_node_meta():
-            return fx.Interpreter(gm).run(*args)
+            return interpreter.run(*args[: len(inputs)])
 
-    functional = torch.func.functionalize(run, remove="mutations")
-    return make_fx(
-        functional, decomposition_table=decompositions or {}, tracing_mode="fake", _allow_non_fake_inputs=True
-    )(*inputs)
+    functional, values = torch.func.functionalize(run, remove="mutations"), [fetch(name) for name in names]
+    options = {"decomposition_table": decompositions or {}, "tracing_mode": "fake", "_allow_non_fake_inputs": True}
+    return make_fx(lambda *args: functional(*args, *values), **options)(*inputs)
 
 
 def fake_mode() -> FakeTensorMode:  # a fake-tensor mode that accepts real constants: graphs run without data
