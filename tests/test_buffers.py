@@ -141,3 +141,31 @@ def _run(step, state, batches):
     for b in batches:
         state, metrics = step(state, b)
         yield metrics["loss"]
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_a_module_that_renormalizes_its_weight_in_place_steps_as_eager(donate):
+    """``nn.Embedding(max_norm=...)`` renormalizes the rows it reads in place, under
+    ``no_grad``, before the lookup; eager PyTorch's optimizer then updates the renormalized
+    weight. The step does the same, and with ``donate=False`` leaves its input state as it was
+    (the write lives in the returned state only)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Flatten(), nn.Linear(40, 1))
+    reference = copy.deepcopy(model)
+    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b).square().mean(), optimizer=fsg.optim.sgd(0.5),
+                            backend="eager", donate=donate)  # fmt: skip
+    state = step.init(fsg.params(model))
+    before = tree.tree_map(torch.clone, state)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for x in torch.randint(0, 20, (3, 4, 5), generator=torch.Generator().manual_seed(2)):
+        inputs = state
+        state, _ = step(state, x)
+        opt.zero_grad()
+        reference(x).square().mean().backward()
+        opt.step()
+        if not donate:
+            for a, b in zip(tree.flatten(inputs)[0], tree.flatten(before)[0]):
+                assert torch.equal(a, b), "donate=False changed an input leaf"
+            before = tree.tree_map(torch.clone, state)
+    for name, value in reference.named_parameters():
+        torch.testing.assert_close(state.params[name], value.detach(), rtol=1e-5, atol=1e-6, msg=name)

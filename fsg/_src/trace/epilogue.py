@@ -29,6 +29,8 @@ def functionalize(gm: fx.GraphModule, *, donate: bool, decompositions: dict | No
         _fold_copies(gm)
     if donate:
         _drop_unwritten_copies(gm)
+    else:
+        _drop_input_writes(gm)
     gm.recompile()
     check(gm)
     return gm
@@ -81,6 +83,18 @@ def _fold_copies(gm: fx.GraphModule) -> None:
                 node.args = (node.args[0], inner.args[1], *node.args[2:])
                 if not inner.users:
                     gm.graph.erase_node(inner)
+
+
+def _drop_input_writes(gm: fx.GraphModule) -> None:
+    """Without donation the step returns every new state leaf, and its inputs must stay as they
+    were: a write the loss made into an input (``nn.Embedding(max_norm=...)`` renormalizes its
+    weight in place, as eager PyTorch does before the update) is already in the outputs, since
+    the functional graph's later readers and outputs see the written value. Its epilogue copy
+    into the input goes."""
+    for node in list(gm.graph.nodes):
+        is_copy = node.op == "call_function" and node.target is torch.ops.aten.copy_.default and not node.users
+        if is_copy and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
+            gm.graph.erase_node(node)
 
 
 def _drop_unwritten_copies(gm: fx.GraphModule) -> None:
