@@ -78,6 +78,11 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         raise host_sync_error(where, "data-dependent Python control flow") from exc
+    except TypeError as exc:  # a tensor where torch wants a Python int (packed RNN sequences' batch sizes)
+        if "FakeTensor" not in str(exc):
+            raise
+        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        raise host_sync_error(where, f"a tensor's value used as a Python number, such as a size: {exc}") from exc
     except _torch_private.DYNAMIC_SHAPE_ERROR as exc:  # (F.ctc_loss, say)
         op = _torch_private.op_name(getattr(exc, "func", None))
         raise UnsupportedError(
