@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import fsg
 
@@ -747,6 +748,45 @@ def _cat_batch(h: torch.Tensor) -> torch.Tensor:
     return both[: h.shape[0]] + both[h.shape[0] :]
 
 
+class _RoundStraightThrough(torch.autograd.Function):
+    """A user's own ``autograd.Function``: rounds to quarters, passes the gradient where
+    ``|h| < 2`` (a straight-through estimator, as in quantization-aware training)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h)
+        return torch.round(h * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return grad * (h.abs() < 2).to(grad.dtype)
+
+
+def _gradient_penalty(h: torch.Tensor) -> torch.Tensor:
+    """``h`` plus the gradient of a scalar of ``h`` with respect to ``h``, kept in the graph
+    (``create_graph=True``: WGAN-GP's penalty, the step differentiates through a backward)."""
+    (grad,) = torch.autograd.grad(torch.tanh(h).pow(3).sum(), h, create_graph=True)
+    return h + grad.square()
+
+
+def _checkpointed(h: torch.Tensor) -> torch.Tensor:
+    return checkpoint(lambda t: torch.tanh(t) * torch.softmax(t, -1), h, use_reentrant=False)
+
+
+def _rotate_resample(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, C, T, T]`` resampled on a slightly rotated and shifted grid (a spatial transformer)."""
+    theta = torch.tensor([[0.9, -0.2, 0.1], [0.2, 0.9, -0.05]]).expand(t.shape[0], 2, 3)
+    return F.grid_sample(t, F.affine_grid(theta, list(t.shape), align_corners=False), align_corners=False)
+
+
+def _unfold_fold(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, C, T, T]``: 3x3 patches (``F.unfold``), weighted by position, summed back (``F.fold``)."""
+    patches = F.unfold(t, 3, padding=1)
+    weights = torch.linspace(0.5, 1.5, patches.shape[1])[:, None]
+    return F.fold(patches * weights, t.shape[-2:], 3, padding=1)
+
+
 ACTIVATIONS = [
     ("F.relu", F.relu),
     ("F.gelu", F.gelu),
@@ -863,6 +903,15 @@ OPS = [Case(name, "op", _pointwise(fn), tp=True) for name, fn in ACTIVATIONS] + 
     Case("F.rrelu(training=True)", "op", _pointwise(lambda h: F.rrelu(h, training=True)), tp=True),
     Case("Poisson shot noise: h * torch.poisson(rate) / rate, rate = 4 abs(h) + 1", "op", _pointwise(_shot_noise), tp=True),
     Case("binomial thinning: h * Binomial(20, 0.75).sample() / 15", "op", _pointwise(lambda h: h * torch.distributions.Binomial(torch.full_like(h, 20.0), probs=torch.full_like(h, 0.75)).sample() / 15), tp=True),
+    # autograd inside the loss: a user's autograd.Function, activation checkpointing, a
+    # gradient penalty (double backward), torch.func's per-row gradients
+    Case("a user's torch.autograd.Function (straight-through rounding)", "op", _pointwise(lambda h: _RoundStraightThrough.apply(h) + 0.1 * h), tp=True),
+    Case("torch.utils.checkpoint(tanh(h) * softmax(h), use_reentrant=False)", "op", _pointwise(_checkpointed), tp=True),
+    Case("torch.autograd.grad(create_graph=True) gradient penalty", "op", _pointwise(_gradient_penalty), tp=True),
+    Case("torch.func.vmap(torch.func.grad(logsumexp)) per-row gradients", "op", _pointwise(lambda h: torch.func.vmap(torch.func.grad(lambda r: torch.logsumexp(r, 0)))(h) * h), tp=True),
+    # resampling and patches (spatial transformers, hand-written convolutions)
+    Case("F.grid_sample(F.affine_grid(rotation))", "op", _pool2d(_rotate_resample), tp=True),
+    Case("F.unfold(3, padding=1) then F.fold", "op", _pool2d(_unfold_fold), tp=True),
 ]  # fmt: skip
 
 

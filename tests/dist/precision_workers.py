@@ -9,7 +9,6 @@ import torch
 
 import fsg
 from tests.dist.workers import GPT, GPTConfig, _full_leaves, gpt_batches, gpt_loss, preset_rules, tiny_gpt
-from tests.helpers import mlp, mse_loss_fn
 
 ROWWISE = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
 POLICIES = {
