@@ -213,11 +213,12 @@ class Policy(_PolicyFields):
         ``autocast``, which casts per op); other leaves unchanged."""
         if self.autocast:
             return tree_
-        return tree.tree_map(lambda t: t.to(self.compute) if t.is_floating_point() else t, tree_)
+        return tree.tree_map(lambda t: in_dtype(t, self.compute), tree_)
 
     def read_param(self, p: torch.Tensor) -> torch.Tensor:
-        """A parameter as the loss reads it: in the compute dtype, or as it is under autocast."""
-        return p if self.autocast else p.to(self.compute)
+        """A parameter as the loss reads it: in the compute dtype (``in_dtype``), or as it is
+        under autocast."""
+        return p if self.autocast else in_dtype(p, self.compute)
 
     def region(self, device: torch.device) -> contextlib.AbstractContextManager:
         """Where the loss runs: under ``torch.autocast`` with ``autocast=True`` and a compute
@@ -227,8 +228,9 @@ class Policy(_PolicyFields):
         return torch.autocast(device.type, dtype=self.compute)
 
     def cast_param(self, tree_: Any) -> Any:
-        """Floating-point leaves of ``tree_`` in the param dtype; other leaves unchanged."""
-        return tree.tree_map(lambda t: t.to(self.param) if t.is_floating_point() else t, tree_)
+        """Floating-point (and complex) leaves of ``tree_`` in the param dtype (``in_dtype``);
+        other leaves unchanged."""
+        return tree.tree_map(lambda t: in_dtype(t, self.param), tree_)
 
     def cast_buffers(self, buffers: Any, params: Any) -> Any:
         """``buffers`` whose dtype is one that ``cast_param`` changes in ``params`` (the model's
@@ -237,6 +239,19 @@ class Policy(_PolicyFields):
         normalizes with); buffers of any other dtype unchanged."""
         changed = {p.dtype for p in tree.flatten(params)[0] if p.is_floating_point() and p.dtype != self.param}
         return tree.tree_map(lambda b: b.to(self.param) if b.dtype in changed else b, buffers)
+
+
+_COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` if it is floating-point; a complex ``t`` in the complex dtype of
+    ``dtype``'s precision (float32: complex64, float64: complex128), or as it is where there is
+    none (bfloat16, float16: a complex parameter is not cast down); integer and bool ``t`` as
+    it is."""
+    if t.is_floating_point():
+        return t.to(dtype)
+    return t.to(_COMPLEX_OF[dtype]) if t.is_complex() and dtype in _COMPLEX_OF else t
 
 
 def check_policy(policy: Any) -> Policy:

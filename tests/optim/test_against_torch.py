@@ -96,3 +96,20 @@ def test_adamw_matches_torch_optim_with_a_schedule():
     state = run_fsg(mlp(seed=4), fsg.optim.adamw(schedule, weight_decay=0.05), batches)
     for k, p in model.named_parameters():
         assert rel_err(state.params[k], p.detach()) < 1e-5, k
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_twenty_steps_match_torch_optim_in_float64(name):
+    """float64 params: bias corrections, constant learning rates and norms in float64, as
+    torch.optim computes them (in Python floats), so the steps agree to float64's rounding."""
+    make_torch_opt, make_fsg_opt = CASES[name]
+    batches = [{k: v.double() for k, v in regression_batch(seed=i).items()} for i in range(20)]
+    reference = run_torch(mlp(seed=3).double(), make_torch_opt, batches)
+    step = fsg.compile_step(mse_loss_fn(mlp(seed=3).double()), optimizer=make_fsg_opt(), backend="aot_eager",
+                            precision=fsg.Policy(param=torch.float64, compute=torch.float64))  # fmt: skip
+    state = step.init(fsg.params(mlp(seed=3).double()))
+    for batch in batches:
+        state, _ = step(state, batch)
+    for k, ref in reference.items():
+        assert state.params[k].dtype == torch.float64
+        assert rel_err(state.params[k], ref) < 1e-12, k

@@ -16,7 +16,7 @@ from fsg._src.errors import CheckpointError
 # Every dtype a checkpoint holds, by the name it is stored under.
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex128, torch.complex64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )}  # fmt: skip
 

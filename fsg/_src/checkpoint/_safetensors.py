@@ -21,6 +21,7 @@ _CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.complex64: "C64",
 }  # fmt: skip
 
 
@@ -43,8 +44,10 @@ def export_safetensors(path: str | Path, params: Any, *, metadata: dict[str, str
             what = f"a {leaf.dtype} tensor" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
             raise CheckpointError(
                 f"export_safetensors: {name!r} is {what}; safetensors holds tensors of "
-                f"{sorted(str(d).removeprefix('torch.') for d in _CODES)}. Export the params only (state.params)"
-            )
+                f"{sorted(str(d).removeprefix('torch.') for d in _CODES)}. "
+                + ("Export it as complex64, or torch.view_as_real of it" if isinstance(leaf, torch.Tensor)
+                   and leaf.is_complex() else "Export the params only (state.params)")
+            )  # fmt: skip
     full = [leaf.full_tensor() if isinstance(leaf, DTensor) else leaf for leaf in leaves]
     if _rank_world()[0] != 0:
         return

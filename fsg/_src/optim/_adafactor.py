@@ -13,7 +13,8 @@ import torch
 
 from fsg._src import checks, tree
 from fsg._src.optim import _checks
-from fsg._src.optim._base import GradientTransformation, zeros_count
+from fsg._src.optim._base import GradientTransformation, scalar_dtype, zeros_count
+from fsg._src.optim._complex import check_real
 
 
 class AdafactorState(NamedTuple):
@@ -58,6 +59,8 @@ def adafactor(
     eps1, eps2 = eps
 
     def init(params: Any) -> AdafactorState:
+        check_real("adafactor", params)
+
         def row(p: torch.Tensor) -> torch.Tensor:
             return p.new_zeros((*p.shape[:-1], 1)) if p.dim() > 1 else torch.zeros_like(p)
 
@@ -69,7 +72,7 @@ def adafactor(
     def update(updates: Any, state: AdafactorState, params: Any = None) -> tuple[Any, AdafactorState]:
         if params is None:
             raise ValueError("adafactor needs params: call update(updates, state, params)")
-        t = (state.count + 1).to(torch.float32)
+        t = (state.count + 1).to(scalar_dtype(updates))
         beta = t**beta2_decay  # the new moment's weight (torch's one_minus_beta2_t)
         rho = torch.clamp(t.rsqrt(), max=learning_rate)
 

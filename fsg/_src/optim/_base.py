@@ -109,8 +109,17 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     return tree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
 
 
+def scalar_dtype(updates: Updates) -> torch.dtype:
+    """The dtype an optimizer computes its scalars in (bias corrections, a constant learning
+    rate, a global norm) for these leaves: float64 when one is float64, as torch.optim computes
+    them in Python floats; else float32 (bf16 and float32 training: the same bits as before
+    this rule). A complex128 parameter's real view is float64."""
+    return torch.float64 if any(leaf.dtype == torch.float64 for leaf in tree.flatten(updates)[0]) else torch.float32
+
+
 def global_norm(updates: Updates) -> torch.Tensor:
-    """The L2 norm of all leaves of ``updates`` together, as a float32 0-d tensor.
+    """The L2 norm of all leaves of ``updates`` together, as a 0-d tensor: float32, or float64
+    when a leaf is float64 (``scalar_dtype``).
 
     Example:
       >>> fsg.optim.global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
@@ -119,7 +128,8 @@ def global_norm(updates: Updates) -> torch.Tensor:
     leaves, _ = tree.flatten(updates)
     if not leaves:
         return torch.zeros(())
-    squares = [torch.sum(leaf.float() * leaf.float()) for leaf in leaves]
+    dtype = scalar_dtype(updates)
+    squares = [torch.sum(leaf.to(dtype) * leaf.to(dtype)) for leaf in leaves]
     return torch.sqrt(torch.stack(squares).sum())
 
 

@@ -118,7 +118,7 @@ def adagrad(
     if lr_decay and callable(learning_rate):
         raise checks.fail("adagrad(lr_decay=...)", "needs a float learning rate", learning_rate,
                           "Fold the decay into the schedule instead")  # fmt: skip
-    lr = (lambda count: learning_rate / (1 + count.float() * lr_decay)) if lr_decay else learning_rate  # noqa: E731
+    lr = (lambda count: learning_rate / (1 + count.double() * lr_decay)) if lr_decay else learning_rate  # noqa: E731
     parts = [add_decayed_weights(weight_decay)] if weight_decay else []
     parts.append(scale_by_rss(initial_accumulator_value=initial_accumulator_value, eps=eps))
     return chain(*parts, scale_by_learning_rate(lr))

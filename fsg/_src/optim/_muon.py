@@ -20,6 +20,7 @@ from fsg._src import _torch_private, checks, tree
 from fsg._src.errors import ArgumentError
 from fsg._src.optim import _checks
 from fsg._src.optim._base import GradientTransformation, chain
+from fsg._src.optim._complex import check_real
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import add_decayed_weights, scale_by_learning_rate
 
@@ -114,6 +115,7 @@ def scale_by_muon(
         raise checks.fail("scale_by_muon(adjust_lr_fn=...)", f"must be one of {_ADJUST}", adjust_lr_fn)
 
     def init(params: Any) -> ScaleByMuonState:
+        check_real("muon", params)
         for path, p in zip(tree.leaf_paths(params, "params"), tree.flatten(params)[0]):
             if p.dim() != 2:
                 raise ArgumentError(

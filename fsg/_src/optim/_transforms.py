@@ -9,7 +9,7 @@ import torch
 from fsg._src import checks, tree
 from fsg._src.errors import ArgumentError
 from fsg._src.optim import _checks
-from fsg._src.optim._base import EmptyState, GradientTransformation, zeros_count
+from fsg._src.optim._base import EmptyState, GradientTransformation, scalar_dtype, zeros_count
 from fsg._src.optim._schedules import ScalarOrSchedule, as_schedule
 
 MaskOrFn = Union[Any, Callable[[Any], Any], None]
@@ -39,7 +39,7 @@ def scale_by_adam(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> G
 
     def update(updates, state, params=None):
         count = state.count + 1
-        t = count.to(torch.float32)
+        t = count.to(scalar_dtype(updates))
         bias1 = 1.0 - torch.pow(b1, t)
         bias2 = 1.0 - torch.pow(b2, t)
         mu = tree.tree_map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, updates)
@@ -229,8 +229,12 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         return ScaleByLearningRateState(count, fn(count).to(torch.float32))
 
     def update(updates, state, params=None):
-        lr = fn(state.count).to(torch.float32)
-        new_updates = tree.tree_map(lambda u: (sign * lr * u).to(u.dtype), updates)
+        lr = fn(state.count).to(torch.float32)  # the metric's
+        step_lr = lr
+        if scalar_dtype(updates) == torch.float64:  # a constant exact in float64 (a schedule: its float32 value)
+            step_lr = fn(state.count).to(torch.float64) if callable(learning_rate) else lr.new_tensor(
+                float(learning_rate), dtype=torch.float64)  # fmt: skip
+        new_updates = tree.tree_map(lambda u: (sign * step_lr * u).to(u.dtype), updates)
         return new_updates, ScaleByLearningRateState(state.count + 1, lr)
 
     return GradientTransformation(init, update)

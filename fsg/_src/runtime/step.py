@@ -26,6 +26,7 @@ from fsg._src.errors import (
 )
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
+from fsg._src.optim._complex import real_views
 from fsg._src.passes import buckets
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules
@@ -174,7 +175,7 @@ class Step:
         state = TrainState(
             step=torch.zeros((), dtype=torch.int64, device=device),
             params=params,
-            opt_state=self._optimizer.init(params),  # on DTensor params: states take their placements
+            opt_state=self._optimizer.init(real_views(params)),  # DTensor params: states take their placements
             rng=torch.tensor([seed, 0], dtype=torch.int64, device=device),
             buffers=buffers,
             skips=resilience.initial_skips(device),

@@ -19,6 +19,7 @@ from fsg._src.backend.inductor import BACKENDS
 from fsg._src.errors import ArgumentError, FsgError, StructureMismatchError
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import check_transformation
+from fsg._src.optim._complex import real_views
 from fsg._src.precision import check_policy
 from fsg._src.rules import Rules
 from fsg._src.train_state import TrainState
@@ -71,7 +72,7 @@ def check_init(params: Any, seed: Any) -> None:
         raise checks.fail("step.init(params)", "must be a pytree of tensors, not a module", params,
                           "Pass fsg.params(model)")  # fmt: skip
     tree.check_tensor_leaves(params, "params")
-    if not any(p.is_floating_point() for p in tree.flatten(params)[0]):
+    if not any(p.is_floating_point() or p.is_complex() for p in tree.flatten(params)[0]):
         raise checks.fail("step.init(params)", "has no floating-point tensor, so the step would train nothing", params,
                           "Pass fsg.params(model) of a model with parameters")  # fmt: skip
     checks.integer("step.init(seed=...)", seed, low=0, fix="The seed keys the step's random ops (state.rng)")
@@ -102,7 +103,7 @@ def check_inputs(loss_fn: Any, optimizer: Any, state: Any, batch: Any) -> None:
 def _abstract_init(optimizer: Any, params: Any) -> Any:
     """``optimizer.init`` on meta stand-ins of ``params`` (nothing allocated); ``None`` when the
     optimizer's ``init`` cannot run on meta tensors (then nothing is checked)."""
-    metas = tree.tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params)
+    metas = real_views(tree.tree_map(lambda p: torch.empty(p.shape, dtype=p.dtype, device="meta"), params))
     try:
         return optimizer.init(metas)
     except FsgError:

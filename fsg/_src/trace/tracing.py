@@ -20,6 +20,7 @@ from fsg._src import frozen, recompute, tree
 from fsg._src.errors import BatchError, FsgError, ImpureLossError, LossNotScalarError, StructureMismatchError
 from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
+from fsg._src.optim._complex import complex_like, real_views
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy
 from fsg._src.trace import accumulation, epilogue, loss_output, markers, purity, random, resilience
@@ -116,7 +117,7 @@ def train_step(
     param_leaves, params_def = tree.flatten(state.params)
     # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
-    inputs = [p.detach().requires_grad_(p.is_floating_point()) for p in param_leaves]
+    inputs = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in param_leaves]
     accum_steps, weigh = accum
     micro = microbatches(batch, accum_steps)
     # The loss's modules update buffers in place (BatchNorm's running statistics): on copies,
@@ -141,11 +142,13 @@ def train_step(
         # Mark each gradient: stage 2 constrains it to its parameter's placement (rule 2); a kept one is zeros
         grad_leaves.append(markers.grad(g, i) if mark_grads and i not in kept else g)
     grads = tree.unflatten(params_def, grad_leaves)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    # complex parameters: the optimizer sees real views, as in torch.optim (optim/_complex.py)
+    updates, opt_state = optimizer.update(real_views(grads), state.opt_state, real_views(state.params))
+    updates = complex_like(updates, state.params)
     params = apply_updates(state.params, updates)
     params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves, kept)
     # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
-    grad_norm = sum_squares.global_norm([g for i, g in enumerate(grad_leaves) if i not in kept] or grad_leaves)
+    grad_norm = sum_squares.global_norm(real_views([g for i, g in enumerate(grad_leaves) if i not in kept] or grad_leaves))
     metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
     lr = learning_rate(opt_state)
     if lr is not None:
