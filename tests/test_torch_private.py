@@ -200,6 +200,16 @@ def test_op_name_and_view_base():
     assert _torch_private.view_base(x[1:]) is x and _torch_private.view_base(x) is x
 
 
+def test_grad_hooks_lists_a_tensors_hooks_and_flags_post_accumulate_ones():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert _torch_private.grad_hooks(p) == ([], False)
+    hook = lambda g: g * 2  # noqa: E731
+    p.register_hook(hook)
+    assert _torch_private.grad_hooks(p) == ([hook], False)
+    p.register_post_accumulate_grad_hook(lambda t: None)
+    assert _torch_private.grad_hooks(p)[1]
+
+
 def test_copy_graph_module_copies_nodes_and_keeps_constants_and_meta():
     const = torch.arange(3.0)
     gm = _torch_private.trace_fake(lambda x: (x * const).sum(), torch.randn(3))

@@ -30,7 +30,7 @@ __all__ = [  # fmt: skip
     "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "OpOverload",
     "REDUCE_SCATTER", "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
     "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
-    "fake_mode", "functionalize", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
+    "fake_mode", "functionalize", "grad_hooks", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
     "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
@@ -67,9 +67,8 @@ def version(t: torch.Tensor) -> int:  # t's version counter, shared with its vie
 
 
 def dtensor_has_rule(op: Any) -> bool:
-    """Whether DTensor has a *registered* sharding rule for ``op`` (a strategy function, a
-    single-dim strategy or a propagation rule), as opposed to one it would derive from the
-    op's decomposition at run time (torch 2.13+), which sizes from the local shard."""
+    """Whether DTensor has a *registered* sharding rule for ``op`` (a strategy function, a single-dim strategy
+    or a propagation rule), not one derived from the op's decomposition at run time (2.13+: local sizes)."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     tables = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
     return any(op in getattr(propagator, name, {}) for name in tables)
@@ -85,8 +84,7 @@ def dtensor_index_put_rule_is_positional() -> bool:
 
 
 def default_store() -> Any:
-    """The default process group's key-value store (``torch.distributed.Store``), which every
-    rank reaches without a collective; ``None`` when no process group is initialized."""
+    """The default process group's ``torch.distributed.Store`` (every rank reaches it without a collective)."""
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
@@ -106,7 +104,6 @@ reparametrize = _reparametrize_module
 # Mutation and aliasing from an op's schema (``Tensor(a!)`` written, ``Tensor(a) -> Tensor(a)`` a view,
 # ``Tensor(a -> *) -> Tensor(a)[]`` views); Python targets and higher-order ops have none: no facts.
 
-
 def op_name(target: Any) -> str:
     """``"aten.mm"`` for an ``OpOverload`` (no overload); any other target's Python name."""
     if isinstance(target, OpOverload):
@@ -116,6 +113,10 @@ def op_name(target: Any) -> str:
 
 def view_base(t: torch.Tensor) -> torch.Tensor:  # the tensor whose storage t views (t itself if not a view)
     return t if t._base is None else t._base
+
+
+def grad_hooks(t: torch.Tensor) -> tuple[list[Callable[..., Any]], bool]:  # t.register_hook's; any post-accumulate?
+    return list((t._backward_hooks or {}).values()), bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 @functools.cache
@@ -261,9 +262,8 @@ def inductor_compile(
 
 @contextlib.contextmanager
 def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
-    """Within: each line Inductor's Python wrapper codegen (``PythonWrapperCodegen``) writes
-    is ``rewrite(line, wrapper)`` first (``wrapper``: the codegen writing it; its ``imports``
-    block is an ``IndentedBuffer``). Not thread-safe: one compile at a time."""
+    """Within: each line Inductor's ``PythonWrapperCodegen`` writes is ``rewrite(line, wrapper)`` first
+    (``wrapper``: the codegen; its ``imports`` block an ``IndentedBuffer``). One compile at a time."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     original = PythonWrapperCodegen.writeline

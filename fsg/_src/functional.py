@@ -119,6 +119,7 @@ def apply(
     _check_names(model, params, buffers)
     watch.note(model)  # while a step is traced: its modes and requires_grad flags are part of its key
     given, params = params, frozen.detach(model, params)  # while a step is traced: no gradient to a frozen one
+    params = _with_grad_hooks(model, params)
     tensors = dict(params) if not buffers else {**params, **buffers}
     with _mode(model, _TRAINING.get()):
         try:
@@ -131,6 +132,26 @@ def apply(
             if located is None:
                 raise
             raise located from exc
+
+
+def _with_grad_hooks(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` with the gradient hooks of ``model``'s own parameters (``p.register_hook``,
+    e.g. a mask on an embedding's gradient) on views of them, so a backward runs them as
+    eager's does; a post-accumulate-grad hook (an optimizer stepping in backward) raises."""
+    hooked = dict(params)
+    for name, p in model.named_parameters():
+        hooks, post_accumulate = _torch_private.grad_hooks(p)
+        if post_accumulate:
+            raise UnsupportedError(
+                f"fsg.apply: parameter {name!r} of {type(model).__name__} has a post-accumulate-grad hook "
+                f"(register_post_accumulate_grad_hook, e.g. an optimizer stepping in the backward); a compiled "
+                f"step applies its own optimizer to the whole gradient. Remove the hook."
+            )
+        if hooks and name in params and params[name].requires_grad:
+            hooked[name] = params[name].view_as(params[name])  # a view: the caller's tensor gets no hook
+            for hook in hooks:
+                hooked[name].register_hook(hook)
+    return hooked
 
 
 @contextlib.contextmanager

@@ -90,3 +90,29 @@ def lora_on_a_mesh(axes: dict, preset: str) -> None:
             fsg.testing.mesh(axes), optimizer=_frozen_group(model, optimizer) if grouped else optimizer,
             param_sharding=preset_rules(preset), rtol=1e-4, atol=1e-5,
         )  # fmt: skip
+
+
+def masked_gradient_on_a_mesh(axes: dict, preset: str) -> bool:
+    """An embedding whose first rows are kept by a gradient hook on its weight
+    (``p.register_hook``), sharded under ``preset``: equal to the unsharded step; returns
+    whether the masked rows stayed bit for bit on this rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Flatten(), torch.nn.Linear(32, 4))
+    trainable = (torch.arange(16) >= 6).float()[:, None]
+    model[0].weight.register_hook(lambda g: g * trainable)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randint(0, 16, (8, 4), generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
+
+    def loss_fn(params, batch):
+        return ((fsg.apply(model, params, batch["x"]) - batch["y"]) ** 2).mean()
+
+    options = dict(optimizer=fsg.optim.adam(1e-2), param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"))
+    mesh = fsg.testing.mesh(axes)
+    fsg.testing.assert_sharded_matches_unsharded(loss_fn, fsg.params(model), batches, mesh, **options)
+    step = fsg.compile_step(loss_fn, mesh, backend="eager", **options)
+    state = step.init(fsg.params(model))
+    for batch in batches:
+        state, _ = step(state, batch)
+    weight = state.params["0.weight"]
+    weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight
+    return torch.equal(weight[:6], model[0].weight.detach()[:6]) and not torch.equal(weight, model[0].weight.detach())

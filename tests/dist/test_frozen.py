@@ -26,3 +26,10 @@ def test_lora_adapters_on_a_mesh(ranks, preset):
     """Hugging Face PEFT's LoRA (a frozen base, trained adapters) sharded equals unsharded."""
     pytest.importorskip("peft")
     ranks(2).run(frozen_workers.lora_on_a_mesh, {"dp": 2}, preset)
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_a_gradient_hook_on_a_parameter_on_a_mesh(ranks, preset):
+    """A hook masking an embedding's gradient rows (``p.register_hook``) runs in the sharded
+    step as in the unsharded one: equal steps, the masked rows unchanged."""
+    assert all(ranks(2).run(frozen_workers.masked_gradient_on_a_mesh, {"dp": 2}, preset))
