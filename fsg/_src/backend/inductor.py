@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.backend import column_sums, index_put, views
+from fsg._src.backend import add_alpha, column_sums, index_put, views
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -95,6 +95,8 @@ class InductorStep:
         gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
         self._num_outputs = keep_rng_state_alive(gm)
         views.views_as_reshapes(gm)
+        if rewritten := add_alpha.scaled_adds_as_products(gm):
+            log.info("fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)", rewritten)
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
             log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
         self._gm = gm
