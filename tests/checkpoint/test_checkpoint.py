@@ -14,7 +14,7 @@ from tests.helpers import mlp, mse_loss_fn, regression_batch
 
 DTYPES = [
     torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]  # fmt: skip
 
 
