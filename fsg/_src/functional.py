@@ -138,8 +138,11 @@ def _with_grad_hooks(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[
     """``params`` with the gradient hooks of ``model``'s own parameters (``p.register_hook``,
     e.g. a mask on an embedding's gradient) on views of them, so a backward runs them as
     eager's does; a post-accumulate-grad hook (an optimizer stepping in backward) raises."""
-    hooked = dict(params)
-    for name, p in model.named_parameters():
+    hooked, seen = dict(params), set()
+    for name, p in model.named_parameters(remove_duplicate=False):  # a tied weight: under the name given
+        if id(p) in seen or name not in params:
+            continue
+        seen.add(id(p))
         hooks, post_accumulate = _torch_private.grad_hooks(p)
         if post_accumulate:
             raise UnsupportedError(
@@ -147,7 +150,7 @@ def _with_grad_hooks(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[
                 f"(register_post_accumulate_grad_hook, e.g. an optimizer stepping in the backward); a compiled "
                 f"step applies its own optimizer to the whole gradient. Remove the hook."
             )
-        if hooks and name in params and params[name].requires_grad:
+        if hooks and params[name].requires_grad:
             hooked[name] = params[name].view_as(params[name])  # a view: the caller's tensor gets no hook
             for hook in hooks:
                 hooked[name].register_hook(hook)
