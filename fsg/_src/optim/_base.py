@@ -129,7 +129,7 @@ def global_norm(updates: Updates) -> torch.Tensor:
     if not leaves:
         return torch.zeros(())
     dtype = scalar_dtype(updates)
-    squares = [torch.sum(leaf.to(dtype) * leaf.to(dtype)) for leaf in leaves]
+    squares = [torch.sum(x * x) for x in (leaf.to(dtype) for leaf in leaves)]
     return torch.sqrt(torch.stack(squares).sum())
 
 

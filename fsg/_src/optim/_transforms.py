@@ -229,11 +229,11 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         return ScaleByLearningRateState(count, fn(count).to(torch.float32))
 
     def update(updates, state, params=None):
-        lr = fn(state.count).to(torch.float32)  # the metric's
-        step_lr = lr
-        if scalar_dtype(updates) == torch.float64:  # a constant exact in float64 (a schedule: its float32 value)
-            step_lr = fn(state.count).to(torch.float64) if callable(learning_rate) else lr.new_tensor(
-                float(learning_rate), dtype=torch.float64)  # fmt: skip
+        value = fn(state.count)
+        lr = step_lr = value.to(torch.float32)  # the metric's
+        if scalar_dtype(updates) == torch.float64:  # a constant exact in float64; a schedule its float32 value
+            constant = not callable(learning_rate)
+            step_lr = lr.new_tensor(float(learning_rate), dtype=torch.float64) if constant else value.to(torch.float64)
         new_updates = tree.tree_map(lambda u: (sign * step_lr * u).to(u.dtype), updates)
         return new_updates, ScaleByLearningRateState(state.count + 1, lr)
 
