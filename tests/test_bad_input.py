@@ -210,6 +210,9 @@ CASES = {
                                              fsg.CheckpointError, ("select='params'", "state.params")),
     "export_safetensors of a non-tensor": Case(lambda t: fsg.checkpoint.export_safetensors(t / "m.safetensors", {"w": 1.0}),
                                                fsg.CheckpointError, ("export_safetensors", "'w'", "float")),
+    "export_safetensors of complex128": Case(lambda t: fsg.checkpoint.export_safetensors(
+        t / "m.safetensors", {"z": torch.zeros(2, dtype=torch.complex128)}), fsg.CheckpointError,
+        ("export_safetensors", "'z'", "complex128", "complex64, or torch.view_as_real")),
     "manager keeping 0": Case(lambda t: manager(t, max_to_keep=0), ArgumentError, ("max_to_keep", ">= 1", "None")),
     "manager interval 0": Case(lambda t: manager(t, save_interval_steps=0), ArgumentError, ("save_interval_steps", ">= 1")),
     "manager in a file": Case(lambda t: fsg.checkpoint.CheckpointManager(a_file(t)), fsg.CheckpointError,
