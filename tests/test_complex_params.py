@@ -111,3 +111,46 @@ def test_a_complex_state_checkpoints_and_exports(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     fsg.checkpoint.export_safetensors(tmp_path / "w.safetensors", state.params)
     assert torch.equal(safetensors.load_file(tmp_path / "w.safetensors")["weight"], state.params["weight"])
+
+
+
+class _Filtered(torch.nn.Module):
+    """Complex weights through a fixed complex window (a buffer) on the lowest 4 modes."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(3, 3, 4, dtype=dtype) / 3)
+        self.register_buffer("window", torch.linspace(0.5, 1.5, 4, dtype=dtype) * (1 + 0.5j))
+        self.register_buffer("other", torch.ones(4, dtype=torch.complex32))  # another dtype: kept
+
+    def forward(self, x):
+        mixed = torch.einsum("bix,iox->box", torch.fft.rfft(x)[..., :4], self.weight * self.window)
+        return torch.fft.irfft(mixed, n=8).sum(1)
+
+
+@pytest.mark.parametrize("model_dtype, param, want", [
+    (torch.complex128, torch.float32, torch.complex64), (torch.complex64, torch.float64, torch.complex128),
+    (torch.complex64, torch.float32, torch.complex64)])  # fmt: skip
+def test_a_complex_buffer_follows_its_complex_params_to_the_policy_precision(model_dtype, param, want):
+    """A complex buffer of the complex params' dtype goes where ``step.init`` casts them, as
+    a real buffer follows real params; a buffer of another dtype stays. The steps equal eager
+    Adam on the module moved to that precision by hand."""
+    model = _Filtered(model_dtype)
+    ref = copy.deepcopy(model)
+    ref.weight.data, ref.window = ref.weight.data.to(want), ref.window.to(want)
+    ref_opt = torch.optim.Adam(ref.parameters(), 1e-2)
+    def loss_fn(params, batch, buffers):
+        return ((fsg.apply(model, params, batch["x"], buffers=buffers) - batch["y"]) ** 2).mean()
+
+    step = fsg.compile_step(loss_fn, optimizer=optim.adam(1e-2), backend="aot_eager",
+                            precision=fsg.Policy(param=param, compute=param))  # fmt: skip
+    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    assert state.params["weight"].dtype == want and state.buffers["window"].dtype == want
+    assert state.buffers["other"].dtype == torch.complex32 and model.window.dtype == model_dtype
+    for batch in _batches(3, 8, param):
+        state, _ = step(state, batch)
+        ref_opt.zero_grad()
+        ((ref(batch["x"]) - batch["y"]) ** 2).mean().backward()
+        ref_opt.step()
+    torch.testing.assert_close(state.params["weight"], ref.weight.detach(), rtol=1e-5, atol=1e-6)

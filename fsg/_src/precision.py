@@ -236,9 +236,10 @@ class Policy(_PolicyFields):
         """``buffers`` whose dtype is one that ``cast_param`` changes in ``params`` (the model's
         own floating dtype) in the param dtype too: a module's buffers follow its parameters, as
         ``module.to(dtype)`` moves both (BatchNorm's running statistics must match the weight it
-        normalizes with); buffers of any other dtype unchanged."""
-        changed = {p.dtype for p in tree.flatten(params)[0] if p.is_floating_point() and p.dtype != self.param}
-        return tree.tree_map(lambda b: b.to(self.param) if b.dtype in changed else b, buffers)
+        normalizes with; a complex buffer follows complex parameters); buffers of any other
+        dtype unchanged."""
+        changed = {p.dtype for p in tree.flatten(params)[0] if dtype_in(p.dtype, self.param) != p.dtype}
+        return tree.tree_map(lambda b: b.to(dtype_in(b.dtype, self.param)) if b.dtype in changed else b, buffers)
 
 
 _COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
@@ -249,9 +250,14 @@ def in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``dtype``'s precision (float32: complex64, float64: complex128), or as it is where there is
     none (bfloat16, float16: a complex parameter is not cast down); integer and bool ``t`` as
     it is."""
-    if t.is_floating_point():
-        return t.to(dtype)
-    return t.to(_COMPLEX_OF[dtype]) if t.is_complex() and dtype in _COMPLEX_OF else t
+    return t.to(dtype_in(t.dtype, dtype))
+
+
+def dtype_in(own: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``in_dtype`` gives a tensor of dtype ``own``."""
+    if own.is_floating_point:
+        return dtype
+    return _COMPLEX_OF[dtype] if own.is_complex and dtype in _COMPLEX_OF else own
 
 
 def check_policy(policy: Any) -> Policy:
