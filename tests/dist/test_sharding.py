@@ -271,6 +271,7 @@ def test_a_step_with_collectives_keeps_its_order_through_inductor(ranks):
     assert workers.inductor_options(None) is None
 
 
-@pytest.mark.parametrize("preset", ["dp", "fsdp"])
-def test_batch_norm_running_statistics_on_a_data_mesh_match_unsharded(ranks, preset):
-    ranks(2).run(workers.check_batch_norm_running_stats, {"dp": 2}, preset)
+@pytest.mark.parametrize("preset, momentum", [("dp", 0.1), ("fsdp", 0.1), ("dp", None)])
+def test_batch_norm_running_statistics_on_a_data_mesh_match_unsharded(ranks, preset, momentum):
+    """momentum=None: the cumulative average, traced as fsg's stand-in (host_reads.py)."""
+    ranks(2).run(workers.check_batch_norm_running_stats, {"dp": 2}, preset, momentum)

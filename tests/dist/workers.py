@@ -531,13 +531,13 @@ def small_collective_order() -> dict:
     }
 
 
-def check_batch_norm_running_stats(axes: dict, preset: str) -> None:
+def check_batch_norm_running_stats(axes: dict, preset: str, momentum: float | None = 0.1) -> None:
     """A Linear + BatchNorm1d (running statistics tracked) + Linear under ``preset`` with the
     batch sharded: losses, params and the running statistics equal the unsharded step's
     (global-batch statistics, as SyncBatchNorm)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=momentum), torch.nn.ReLU(), torch.nn.Linear(8, 2)
     )
 
     def loss_fn(params, batch, buffers):

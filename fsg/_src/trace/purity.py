@@ -18,7 +18,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
-from fsg._src.trace import libraries, markers
+from fsg._src.trace import host_reads, libraries, markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +48,18 @@ def user_frame(frames: list[traceback.FrameSummary]) -> str:
     return "(source line unknown)"
 
 
+def torch_callee(frames: list[traceback.FrameSummary]) -> str:
+    """``'torch.nn.functional.gaussian_nll_loss'``: the torch function the innermost user line
+    called, where the error came from inside torch's public Python code; else ``''``."""
+    users = [i for i, frame in enumerate(frames) if _is_user_file(frame.filename)]
+    callee = frames[users[-1] + 1] if users and users[-1] + 1 < len(frames) else None
+    if callee is None or not callee.filename.startswith(_TORCH_DIR):
+        return ""
+    module = os.path.relpath(callee.filename, os.path.dirname(_TORCH_DIR)).removesuffix(".py").replace(os.sep, ".")
+    module = module.removesuffix(".__init__")
+    return "" if any(part.startswith("_") for part in module.split(".")) else f"{module}.{callee.name}"
+
+
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>[^\n]+)\n(?P<code>[^\n]*)')
 
 
@@ -73,10 +85,13 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected."""
     mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
-        with libraries.caches_bypassed():  # no fake tensor left in a library's cache
+        # no fake tensor left in a library's cache; torch's own host reads traceable
+        with libraries.caches_bypassed(), host_reads.traceable():
             return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
-        where = user_frame(traceback.extract_tb(exc.__traceback__))
+        frames = traceback.extract_tb(exc.__traceback__)
+        callee = torch_callee(frames)
+        where = user_frame(frames) + (f" (inside {callee})" if callee else "")
         raise host_sync_error(where, "data-dependent Python control flow") from exc
     except TypeError as exc:  # a tensor where torch wants a Python int (packed RNN sequences' batch sizes)
         if "FakeTensor" not in str(exc):
