@@ -44,7 +44,7 @@ LOSSES = {
     "cosine_embedding": lambda o, d: F.cosine_embedding_loss(o, d["p"], torch.where(d["y"] > 3, 1, -1)),
     "margin_ranking": lambda o, d: F.margin_ranking_loss(o[:, 0], o[:, 1], torch.where(d["y"] > 3, 1.0, -1.0)),
     "triplet_margin": lambda o, d: F.triplet_margin_loss(o[:4], o[4:], o.flip(0)[:4]),
-    # torch reads var on the host (a negative entry raises); fsg traces a stand-in (host_reads.py)
+    # torch reads var on the host (a negative entry raises); fsg traces a stand-in (stand_ins.py)
     "gaussian_nll, heteroscedastic": lambda o, d: F.gaussian_nll_loss(o, d["p"], F.softplus(o) + d["p"]),
     "gaussian_nll, a variance per row, full, sum": lambda o, d: F.gaussian_nll_loss(
         o, d["p"], d["w"][:N] * o[:, 0].exp(), full=True, reduction="sum"),  # fmt: skip

@@ -271,7 +271,16 @@ def test_a_step_with_collectives_keeps_its_order_through_inductor(ranks):
     assert workers.inductor_options(None) is None
 
 
-@pytest.mark.parametrize("preset, momentum", [("dp", 0.1), ("fsdp", 0.1), ("dp", None)])
-def test_batch_norm_running_statistics_on_a_data_mesh_match_unsharded(ranks, preset, momentum):
-    """momentum=None: the cumulative average, traced as fsg's stand-in (host_reads.py)."""
-    ranks(2).run(workers.check_batch_norm_running_stats, {"dp": 2}, preset, momentum)
+@pytest.mark.parametrize(
+    "preset, momentum, sync", [("dp", 0.1, False), ("fsdp", 0.1, False), ("dp", None, False), ("dp", 0.1, True),
+                               ("fsdp", None, True)])  # fmt: skip
+def test_batch_norm_running_statistics_on_a_data_mesh_match_unsharded(ranks, preset, momentum, sync):
+    """momentum=None: the cumulative average; sync: SyncBatchNorm (torch's refuses CPU tensors),
+    run as the BatchNorm it is over the global batch: both traced as fsg's stand-ins (stand_ins.py)."""
+    ranks(2).run(workers.check_batch_norm_running_stats, {"dp": 2}, preset, momentum, sync)
+
+
+def test_a_sync_batch_norm_over_a_subset_of_the_ranks_is_refused(ranks):
+    for message in ranks(2).run(workers.sync_batch_norm_of_a_subgroup, {"dp": 2}):
+        assert "SyncBatchNorm with a process_group of its own" in message and "process_group=None" in message
+        assert "'1' (SyncBatchNorm)" in message

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fsg
@@ -531,14 +532,16 @@ def small_collective_order() -> dict:
     }
 
 
-def check_batch_norm_running_stats(axes: dict, preset: str, momentum: float | None = 0.1) -> None:
+def check_batch_norm_running_stats(axes: dict, preset: str, momentum: float | None = 0.1, sync: bool = False) -> None:
     """A Linear + BatchNorm1d (running statistics tracked) + Linear under ``preset`` with the
     batch sharded: losses, params and the running statistics equal the unsharded step's
-    (global-batch statistics, as SyncBatchNorm)."""
+    (global-batch statistics, as SyncBatchNorm). ``sync``: converted to SyncBatchNorm, which
+    fsg runs as that BatchNorm (``trace/stand_ins.py``)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8, momentum=momentum), torch.nn.ReLU(), torch.nn.Linear(8, 2)
     )
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
 
     def loss_fn(params, batch, buffers):
         out = fsg.apply(model, params, batch["x"], buffers=buffers)
@@ -551,6 +554,19 @@ def check_batch_norm_running_stats(axes: dict, preset: str, momentum: float | No
         param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"), buffers=fsg.buffers(model),
         rtol=1e-5, atol=1e-6,
     )  # fmt: skip
+
+
+def sync_batch_norm_of_a_subgroup(axes: dict) -> str:
+    """A SyncBatchNorm over one rank of two: the UnsupportedError's message."""
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SyncBatchNorm(8, process_group=groups[dist.get_rank()]))
+    step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
+                            fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1), batch_sharding=fsg.P("dp"))  # fmt: skip
+    try:
+        step(step.init(fsg.params(model), buffers=fsg.buffers(model)), torch.randn(8, 4))
+    except fsg.UnsupportedError as e:
+        return str(e)
+    return "no error"
 
 
 # --- a tensor the loss closes over: a constant (get_attr) of the per-rank graph -----------

@@ -18,7 +18,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
-from fsg._src.trace import host_reads, libraries, markers
+from fsg._src.trace import libraries, markers, stand_ins
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +86,7 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
         # no fake tensor left in a library's cache; torch's own host reads traceable
-        with libraries.caches_bypassed(), host_reads.traceable():
+        with libraries.caches_bypassed(), stand_ins.traceable():
             return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         frames = traceback.extract_tb(exc.__traceback__)

@@ -1,19 +1,23 @@
-"""Traceable stand-ins for torch code that reads a tensor's value on the host.
+"""Traceable stand-ins for torch code that a trace cannot run as written.
 
 A few of torch's own modules and losses bring a tensor to Python where the computation needs
-no such thing, so a loss that uses them unchanged could not be traced into a static graph
-(``HostSyncError``) though ``torch.compile`` runs them with a graph break. While fsg traces,
-each is replaced by the same computation in tensor ops:
+no such thing, or talk to a process group themselves, so a loss that uses them unchanged could
+not be traced into a static graph (``torch.compile`` runs them with a graph break). While fsg
+traces, each is replaced by the same computation in tensor ops:
 
 - ``BatchNorm{1,2,3}d(momentum=None)`` (a cumulative moving average of the statistics) computes
   its factor as ``1.0 / float(num_batches_tracked)``; here it is a 0-d tensor, and the running
   statistics are updated with it as torch's kernel does (``(1 - f) * running + f * batch``,
   the variance unbiased).
+- ``SyncBatchNorm`` gathers each rank's statistics over its process group itself (GPU only).
+  fsg traces the global step, in which a BatchNorm already normalizes by the statistics of the
+  whole global batch, so it runs as a BatchNorm; one given a ``process_group`` of its own
+  (statistics over a subset of the ranks) is refused.
 - ``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``) raises on a negative variance with
   ``if torch.any(var < 0)``; here a negative variance makes the loss NaN instead, which a
   step reports or skips like any non-finite loss (``fsg.compile_step(skip_nonfinite=...)``).
 
-Each stand-in equals torch's on every input torch accepts (``tests/test_host_reads.py``).
+Each stand-in equals torch's on every input torch accepts (``tests/test_stand_ins.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsg._src.errors import UnsupportedError
+
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _FORWARD = nn.BatchNorm2d.forward  # torch's, the three classes share it
 _GAUSSIAN_NLL = F.gaussian_nll_loss
@@ -34,9 +40,10 @@ _GAUSSIAN_NLL = F.gaussian_nll_loss
 @contextlib.contextmanager
 def traceable() -> Iterator[None]:
     """Within: the stand-ins replace torch's functions (for a trace on fake tensors)."""
-    saved = [(cls, cls.__dict__.get("forward")) for cls in _BATCH_NORMS]
+    saved = [(cls, cls.__dict__.get("forward")) for cls in (*_BATCH_NORMS, nn.SyncBatchNorm)]
     for cls in _BATCH_NORMS:
         cls.forward = _batch_norm_forward
+    nn.SyncBatchNorm.forward = _sync_batch_norm_forward
     F.gaussian_nll_loss = gaussian_nll_loss
     try:
         yield
@@ -53,6 +60,18 @@ def _batch_norm_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     if self.momentum is None and self.training and self.track_running_stats:
         return cumulative_batch_norm(self, input)
     return _FORWARD(self, input)
+
+
+def _sync_batch_norm_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch.Tensor:
+    group = self.process_group
+    if group is not None and torch.distributed.get_world_size(group) != torch.distributed.get_world_size():
+        raise UnsupportedError(
+            "a SyncBatchNorm with a process_group of its own, not all ranks: fsg traces the global step, in which a "
+            "BatchNorm normalizes by the statistics of the whole global batch (as SyncBatchNorm over all "
+            "ranks), and cannot narrow them to a subset of the ranks. Leave process_group=None, or "
+            "use plain BatchNorm: on a data mesh it syncs over the mesh."
+        )
+    return _batch_norm_forward(self, input)  # (which checks the input's dims with SyncBatchNorm's check)
 
 
 def cumulative_batch_norm(module: nn.Module, input: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""torch code that reads a tensor's value on the host, traced as fsg's stand-ins
-(``fsg/_src/trace/host_reads.py``): ``BatchNorm(momentum=None)``'s cumulative average and
-``F.gaussian_nll_loss``'s check for negative variances. Each equals torch's on every input
-torch accepts; a negative variance makes the loss NaN where torch raises."""
+"""torch code a trace cannot run as written, traced as fsg's stand-ins
+(``fsg/_src/trace/stand_ins.py``): ``BatchNorm(momentum=None)``'s cumulative average,
+``SyncBatchNorm`` (a BatchNorm of the global step) and ``F.gaussian_nll_loss``'s check for
+negative variances. Each equals torch's on every input torch accepts; a negative variance makes
+the loss NaN where torch raises."""
 
 import copy
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsg
-from fsg._src.trace import host_reads
+from fsg._src.trace import stand_ins
 
 BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
@@ -96,7 +97,34 @@ def test_a_cumulative_batch_norm_under_inductor_and_in_a_subclass():
     for name, b in ref.named_buffers():
         torch.testing.assert_close(state.buffers[name], b, rtol=1e-5, atol=1e-6, msg=name)
     assert all("forward" not in cls.__dict__ for cls in BATCH_NORMS.values())
-    assert nn.BatchNorm2d.forward is host_reads._FORWARD and F.gaussian_nll_loss is host_reads._GAUSSIAN_NLL
+    assert nn.BatchNorm2d.forward is stand_ins._FORWARD and F.gaussian_nll_loss is stand_ins._GAUSSIAN_NLL
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_sync_batch_norm_steps_as_the_batch_norm_it_is(momentum):
+    """``convert_sync_batchnorm`` (torchvision's ``--sync-bn``) on one process: eager's
+    SyncBatchNorm is then a BatchNorm, and so is the traced one (on a mesh, too:
+    tests/dist/test_sharding.py)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1))
+    plain(torch.randn(2, 3, 6, 6))  # materialize the lazy head
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
+    assert isinstance(model[1], nn.SyncBatchNorm)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
+                            optimizer=fsg.optim.sgd(0.1), backend="aot_eager")  # fmt: skip
+    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    for seed in range(3):
+        x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+        state, metrics = step(state, x)
+        opt.zero_grad()
+        plain(x).square().mean().backward()
+        opt.step()
+    for name, b in plain.named_buffers():
+        torch.testing.assert_close(state.buffers[name], b, rtol=1e-5, atol=1e-6, msg=name)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert "forward" in nn.SyncBatchNorm.__dict__ and nn.SyncBatchNorm.forward.__module__ == "torch.nn.modules.batchnorm"
 
 
 def _variance_shapes(draw_shape):
@@ -121,7 +149,7 @@ def test_the_gaussian_nll_stand_in_equals_torch_with_gradients(shape, full, eps,
         v = torch.rand(var_shape, generator=g, dtype=torch.float64) * 2  # some below eps: clamped alike
         got_in, want_in = (x.clone().requires_grad_(), v.clone().requires_grad_()), (x.clone().requires_grad_(),
                                                                                        v.clone().requires_grad_())  # fmt: skip
-        got = host_reads.gaussian_nll_loss(got_in[0], t, got_in[1], full=full, eps=eps, reduction=reduction)
+        got = stand_ins.gaussian_nll_loss(got_in[0], t, got_in[1], full=full, eps=eps, reduction=reduction)
         want = F.gaussian_nll_loss(want_in[0], t, want_in[1], full=full, eps=eps, reduction=reduction)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=kind)
         got.sum().backward()
@@ -136,10 +164,10 @@ def test_the_gaussian_nll_stand_in_refuses_what_torch_refuses():
         with pytest.raises(ValueError) as want:
             F.gaussian_nll_loss(x, x, var, reduction=reduction)
         with pytest.raises(ValueError, match=str(want.value)):
-            host_reads.gaussian_nll_loss(x, x, var, reduction=reduction)
+            stand_ins.gaussian_nll_loss(x, x, var, reduction=reduction)
     with pytest.raises(ValueError, match="negative"):
-        host_reads.gaussian_nll_loss(x, x, -1.0)  # a float: checked in Python, as torch does
-    assert torch.isnan(host_reads.gaussian_nll_loss(x, x, torch.tensor([1.0, -1.0, 1.0]).expand(4, 3)))
+        stand_ins.gaussian_nll_loss(x, x, -1.0)  # a float: checked in Python, as torch does
+    assert torch.isnan(stand_ins.gaussian_nll_loss(x, x, torch.tensor([1.0, -1.0, 1.0]).expand(4, 3)))
 
 
 def test_gaussian_nll_in_a_step_a_negative_variance_is_a_nonfinite_step():
