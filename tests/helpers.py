@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -85,3 +86,7 @@ def steps_beside_eager(step, state, reference: nn.Module, opt, batches, eager_lo
         opt.step()
         torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
     return state
+
+
+# "cpu", and "cuda" where there is a GPU (skipped elsewhere): for tests whose claim holds on both
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]

@@ -14,6 +14,7 @@ from torch import nn
 import fsg
 from fsg._src import _torch_private
 from fsg._src.backend import add_alpha
+from tests.helpers import DEVICES
 
 aten = torch.ops.aten
 
@@ -76,9 +77,10 @@ class _VectorQuantizer(nn.Module):
 
 
 @pytest.mark.inductor
-def test_a_vq_vae_with_ema_codebook_trains_as_eager_under_inductor():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_vq_vae_with_ema_codebook_trains_as_eager_under_inductor(device):
     torch.manual_seed(0)
-    model = _VectorQuantizer()
+    model = _VectorQuantizer().to(device)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(ref.parameters(), 0.1)
 
@@ -88,7 +90,7 @@ def test_a_vq_vae_with_ema_codebook_trains_as_eager_under_inductor():
 
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="inductor")
     state = step.init(fsg.params(model), buffers=fsg.buffers(model))
-    for x in [torch.randn(16, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]:
+    for x in [torch.randn(16, 6, generator=torch.Generator().manual_seed(i)).to(device) for i in range(3)]:
         state, metrics = step(state, x)
         opt.zero_grad()
         out, commit = ref(x)

@@ -15,6 +15,7 @@ from torch import nn
 
 import fsg
 from fsg._src.trace import stand_ins
+from tests.helpers import DEVICES
 
 BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
@@ -73,7 +74,8 @@ def test_a_cumulative_batch_norm_steps_as_eager_pytorch(dims, channels, affine, 
         torch.testing.assert_close(ev(state, batch), ref.eval()(batch["x"]), rtol=1e-5, atol=1e-6)
 
 
-def test_a_cumulative_batch_norm_under_inductor_and_in_a_subclass():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_cumulative_batch_norm_under_inductor_and_in_a_subclass(device):
     """Inductor's step equals eager; a subclass whose forward calls ``super().forward`` traces
     too; after the trace the classes are torch's own again."""
 
@@ -82,14 +84,14 @@ def test_a_cumulative_batch_norm_under_inductor_and_in_a_subclass():
             return 2 * super().forward(x)
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), Scaled(6, momentum=None), nn.ReLU(), nn.Linear(6, 1))
+    model = nn.Sequential(nn.Linear(4, 6), Scaled(6, momentum=None), nn.ReLU(), nn.Linear(6, 1)).to(device)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
                             optimizer=fsg.optim.sgd(0.1), backend="inductor")  # fmt: skip
     state = step.init(fsg.params(model), buffers=fsg.buffers(model))
     for seed in range(3):
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(device)
         state, metrics = step(state, x)
         opt.zero_grad()
         ref(x).square().mean().backward()
