@@ -1,5 +1,7 @@
 """Every user mistake gets its fsg error, naming the leaf or source line and the fix."""
 
+import logging
+
 import pytest
 import torch
 
@@ -149,3 +151,17 @@ def test_batch_with_another_structure_names_the_keys():
     # The failed call lost nothing: the state still steps.
     state, metrics = step(state, regression_batch())
     assert int(state.step) == 2 and torch.isfinite(metrics["loss"])
+
+
+def test_a_shape_bug_in_the_loss_raises_torch_error_once_at_the_users_line(caplog):
+    """torch's own error, its traceback through the user's line, and none of the fake tensor's
+    ERROR log of the failed meta call (some fifty lines of torch internals) while fsg traces."""
+
+    def loss_fn(params, batch):
+        return (fsg.apply(mlp(), params, batch["x"]) + torch.ones(3, 5)).sum()  # shapes don't broadcast
+
+    with caplog.at_level("DEBUG"), pytest.raises(RuntimeError, match="broadcast") as info:
+        run_once(loss_fn)
+    assert any(str(frame.path) == THIS_FILE and "torch.ones(3, 5)" in str(frame.statement) for frame in info.traceback)
+    assert not [r for r in caplog.records if "attempting to run meta" in r.getMessage()]
+    assert not logging.getLogger("torch._subclasses.fake_tensor").filters  # removed after the trace

@@ -31,7 +31,7 @@ from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
 from fsg._src.sharding import op_support
-from fsg._src.trace import libraries, markers, purity, stand_ins
+from fsg._src.trace import libraries, markers, purity
 from fsg._src.trace.tracing import TracedStep
 
 
@@ -256,7 +256,7 @@ def expand(
             local_outputs.append(out.to_local() if isinstance(out, DTensor) else out)
         return tuple(local_outputs)
 
-    with libraries.caches_bypassed(), stand_ins.traceable():
+    with libraries.tracing():
         gm = _torch_private.trace_fake(local_step, *local_inputs)
     # Constants (get_attr) before the inputs: a pass that moves ops to right after the last input
     # (defer's hoist) must not move them above a constant they read (an eval BatchNorm's stats).

@@ -1,4 +1,5 @@
-"""What a trace sets in the libraries a loss calls, so that it leaves nothing of itself there.
+"""What a trace sets in the libraries a loss calls, so that it leaves nothing of itself there
+and they run as they would eagerly (``tracing()``: all of it).
 
 transformers caches tensors that some models build from Python values
 (``compile_compatible_method_lru_cache``: BEiT's and Data2VecVision's relative position
@@ -12,13 +13,41 @@ meet a fake tensor of another trace's mode. While fsg traces, that cache calls t
 does, would also do it, but ``torch.compile``d functions called in a loss then run their
 compiled code on the fake tensors, and transformers' mixture-of-experts layers pick other
 kernels.)
+
+torch's fake tensors log every op whose meta function raised, at ERROR with the whole stack,
+before raising the same error: a shape bug in a loss printed some fifty lines of torch
+internals above its own traceback. While fsg traces, that one log record is dropped (the error
+still propagates, the user's line in its traceback).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Iterator
+
+from fsg._src.trace import stand_ins
+
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Within: libraries' caches bypassed, torch's failed meta calls not logged (raised only),
+    and torch code a trace cannot run as written replaced (``stand_ins``)."""
+    quiet = _MetaFailuresQuiet()
+    _FAKE_TENSOR_LOG.addFilter(quiet)
+    try:
+        with caches_bypassed(), stand_ins.traceable():
+            yield
+    finally:
+        _FAKE_TENSOR_LOG.removeFilter(quiet)
+
+
+class _MetaFailuresQuiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
 
 
 @contextlib.contextmanager

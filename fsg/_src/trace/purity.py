@@ -18,7 +18,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
 from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
-from fsg._src.trace import libraries, markers, stand_ins
+from fsg._src.trace import libraries, markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FSG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,8 +85,7 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected."""
     mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
     try:
-        # no fake tensor left in a library's cache; torch's own host reads traceable
-        with libraries.caches_bypassed(), stand_ins.traceable():
+        with libraries.tracing():  # as the libraries run eagerly, leaving nothing of the trace in them
             return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         frames = traceback.extract_tb(exc.__traceback__)
