@@ -20,6 +20,12 @@ OPTIMIZERS = {
     "adamw": (lambda: optim.adamw(1e-2, weight_decay=0.1), lambda p: torch.optim.AdamW(p, 1e-2, weight_decay=0.1)),
     "rmsprop": (lambda: optim.rmsprop(1e-2), lambda p: torch.optim.RMSprop(p, 1e-2)),
     "adagrad": (lambda: optim.adagrad(1e-1), lambda p: torch.optim.Adagrad(p, 1e-1)),
+    "adam(amsgrad, l2)": (lambda: optim.adam(1e-2, weight_decay=0.1, amsgrad=True),
+                          lambda p: torch.optim.Adam(p, 1e-2, weight_decay=0.1, amsgrad=True)),
+    "nadam": (lambda: optim.nadam(1e-2), lambda p: torch.optim.NAdam(p, 1e-2)),
+    "radam": (lambda: optim.radam(1e-2), lambda p: torch.optim.RAdam(p, 1e-2)),
+    "adamax": (lambda: optim.adamax(1e-2), lambda p: torch.optim.Adamax(p, 1e-2)),
+    "adadelta": (lambda: optim.adadelta(), lambda p: torch.optim.Adadelta(p)),
 }  # fmt: skip
 
 

@@ -2,6 +2,19 @@
 
 from fsg._src.optim._adafactor import AdafactorState as AdafactorState
 from fsg._src.optim._adafactor import adafactor as adafactor
+from fsg._src.optim._adam_variants import ScaleByAdadeltaState as ScaleByAdadeltaState
+from fsg._src.optim._adam_variants import ScaleByAdamaxState as ScaleByAdamaxState
+from fsg._src.optim._adam_variants import ScaleByAmsgradState as ScaleByAmsgradState
+from fsg._src.optim._adam_variants import ScaleByNadamState as ScaleByNadamState
+from fsg._src.optim._adam_variants import adadelta as adadelta
+from fsg._src.optim._adam_variants import adamax as adamax
+from fsg._src.optim._adam_variants import nadam as nadam
+from fsg._src.optim._adam_variants import radam as radam
+from fsg._src.optim._adam_variants import scale_by_adadelta as scale_by_adadelta
+from fsg._src.optim._adam_variants import scale_by_adamax as scale_by_adamax
+from fsg._src.optim._adam_variants import scale_by_amsgrad as scale_by_amsgrad
+from fsg._src.optim._adam_variants import scale_by_nadam as scale_by_nadam
+from fsg._src.optim._adam_variants import scale_by_radam as scale_by_radam
 from fsg._src.optim._alias import adam as adam
 from fsg._src.optim._alias import adamw as adamw
 from fsg._src.optim._alias import lion as lion
@@ -49,18 +62,24 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedNode",
-    "Schedule",
+    "ScaleByAdadeltaState",
     "ScaleByAdamState",
+    "ScaleByAdamaxState",
+    "ScaleByAmsgradState",
     "ScaleByLearningRateState",
     "ScaleByLionState",
     "ScaleByMuonState",
+    "ScaleByNadamState",
     "ScaleByRmsState",
     "ScaleByRssState",
     "ScaleByScheduleState",
+    "Schedule",
     "TraceState",
+    "adadelta",
     "adafactor",
     "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "add_decayed_weights",
     "apply_updates",
@@ -74,13 +93,20 @@ __all__ = [
     "lion",
     "multi_transform",
     "muon",
+    "nadam",
     "piecewise",
+    "radam",
     "rmsprop",
     "scale",
+    "scale_by_adadelta",
     "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_amsgrad",
     "scale_by_learning_rate",
     "scale_by_lion",
     "scale_by_muon",
+    "scale_by_nadam",
+    "scale_by_radam",
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_schedule",

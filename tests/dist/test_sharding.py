@@ -68,6 +68,11 @@ def test_adafactor_on_a_transformer_matches_unsharded(ranks, world, axes, preset
     ranks(world).run(workers.check_gpt_preset, axes, preset, None, "adafactor")
 
 
+@pytest.mark.parametrize("world, axes, preset", [(2, {"dp": 2}, "fsdp"), (2, {"tp": 2}, "tp")])
+def test_nadam_and_radam_on_a_transformer_match_unsharded(ranks, world, axes, preset):
+    ranks(world).run(workers.check_gpt_preset, axes, preset, None, "nadam_radam")
+
+
 @pytest.mark.parametrize("preset", ["dp", "fsdp"])
 def test_weighted_accumulation_on_a_mesh_matches_unsharded(ranks, preset):
     ranks(2).run(workers.check_weighted_accumulation, {"dp": 2}, preset)

@@ -120,6 +120,11 @@ OPTIMIZERS = {
     "adamw": lambda: fsg.optim.adamw(1e-2, weight_decay=0.1),
     "muon": muon_groups,
     "adafactor": lambda: fsg.optim.adafactor(1e-2, weight_decay=0.01),
+    # NAdam's 0-d momentum-schedule product and RAdam's rectification beside sharded moments
+    "nadam_radam": lambda: fsg.optim.multi_transform(
+        {"nadam": fsg.optim.nadam(1e-2, weight_decay=0.01, decoupled_weight_decay=True), "radam": fsg.optim.radam(1e-2)},
+        lambda p: {k: "nadam" if v.ndim == 2 else "radam" for k, v in p.items()},
+    ),
 }
 
 

@@ -62,6 +62,42 @@ CASES = {
         lambda p: torch.optim.Adagrad(p, lr=5e-2),
         lambda: fsg.optim.adagrad(5e-2),
     ),
+    "adam_l2_amsgrad": (
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.05, amsgrad=True),
+        lambda: fsg.optim.adam(1e-2, weight_decay=0.05, amsgrad=True),
+    ),
+    "adamw_amsgrad": (
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1, amsgrad=True),
+        lambda: fsg.optim.adamw(1e-2, b1=0.8, b2=0.9, weight_decay=0.1, amsgrad=True),
+    ),
+    "nadam": (
+        lambda p: torch.optim.NAdam(p, lr=1e-2),
+        lambda: fsg.optim.nadam(1e-2),
+    ),
+    "nadam_decoupled_decay": (
+        lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.1, momentum_decay=0.01, decoupled_weight_decay=True),
+        lambda: fsg.optim.nadam(1e-2, weight_decay=0.1, momentum_decay=0.01, decoupled_weight_decay=True),
+    ),
+    "radam": (  # rectified from step 6 on (rho_t > 5): both branches within the 20 steps
+        lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=0.05),
+        lambda: fsg.optim.radam(1e-2, weight_decay=0.05),
+    ),
+    "radam_decoupled_decay": (
+        lambda p: torch.optim.RAdam(p, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, decoupled_weight_decay=True),
+        lambda: fsg.optim.radam(1e-2, b2=0.99, weight_decay=0.1, decoupled_weight_decay=True),
+    ),
+    "adamax": (
+        lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.05),
+        lambda: fsg.optim.adamax(1e-2, weight_decay=0.05),
+    ),
+    "adadelta": (
+        lambda p: torch.optim.Adadelta(p),
+        lambda: fsg.optim.adadelta(),
+    ),
+    "adadelta_options": (
+        lambda p: torch.optim.Adadelta(p, lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.05),
+        lambda: fsg.optim.adadelta(0.5, rho=0.8, eps=1e-5, weight_decay=0.05),
+    ),
     "adagrad_lr_decay_initial_decay": (
         lambda p: torch.optim.Adagrad(p, lr=5e-2, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01),
         lambda: fsg.optim.adagrad(5e-2, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.01),
@@ -113,3 +149,16 @@ def test_twenty_steps_match_torch_optim_in_float64(name):
     for k, ref in reference.items():
         assert state.params[k].dtype == torch.float64
         assert rel_err(state.params[k], ref) < 1e-12, k
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("name", ["nadam_decoupled_decay", "radam"])
+def test_scheduled_scalars_match_torch_optim_under_inductor(name):
+    """NAdam's momentum schedule and RAdam's rectification (float64 scalars in a float32
+    step) through Inductor's fused kernels."""
+    make_torch_opt, make_fsg_opt = CASES[name]
+    batches = [regression_batch(seed=i) for i in range(20)]
+    reference = run_torch(mlp(seed=3), make_torch_opt, batches)
+    state = run_fsg(mlp(seed=3), make_fsg_opt(), batches, backend="inductor")
+    for k, ref in reference.items():
+        assert rel_err(state.params[k], ref) < 1e-5, k

@@ -18,6 +18,11 @@ OPTIMIZERS = {
     "rmsprop": lambda: fsg.optim.rmsprop(0.01, momentum=0.5),
     "adagrad": lambda: fsg.optim.adagrad(0.2),
     "lion": lambda: fsg.optim.lion(0.03, weight_decay=0.0),
+    "adam_amsgrad_l2": lambda: fsg.optim.adam(0.05, weight_decay=1e-3, amsgrad=True),
+    "nadam": lambda: fsg.optim.nadam(0.05),
+    "radam": lambda: fsg.optim.radam(0.05, weight_decay=0.01, decoupled_weight_decay=True),
+    "adamax": lambda: fsg.optim.adamax(0.05),
+    "adadelta": lambda: fsg.optim.adadelta(5.0),
     "clipped_adamw_schedule": lambda: fsg.optim.chain(
         fsg.optim.clip_by_global_norm(1.0),
         fsg.optim.adamw(fsg.optim.warmup_cosine(0.05, warmup=5, total=200), weight_decay=0.0),

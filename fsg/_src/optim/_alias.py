@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fsg._src import checks
 from fsg._src.optim import _checks
+from fsg._src.optim._adam_variants import scale_by_amsgrad
 from fsg._src.optim._base import AdamWSpec, GradientTransformation, chain
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import (
@@ -37,15 +38,32 @@ def sgd(
 
 
 def adam(
-    learning_rate: ScalarOrSchedule, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+    learning_rate: ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    mask: MaskOrFn = None,
 ) -> GradientTransformation:
-    """Adam (Kingma & Ba, 2014).
+    """Adam (Kingma & Ba, 2014): matches ``torch.optim.Adam`` with the same arguments.
+
+    ``weight_decay`` is L2 regularization, added to the gradient before the moments (torch's
+    ``Adam``; for decoupled decay use ``adamw``); ``amsgrad`` scales by the largest second
+    moment so far (``scale_by_amsgrad``).
 
     Example:
       >>> opt = fsg.optim.adam(1e-3)
     """
     _adam_checks("adam", learning_rate, b1, b2, eps)
-    transformation = chain(scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_learning_rate(learning_rate))
+    _checks.non_negative("adam(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
+    checks.flag("adam(amsgrad=...)", amsgrad)
+    scaling = scale_by_amsgrad(b1=b1, b2=b2, eps=eps) if amsgrad else scale_by_adam(b1=b1, b2=b2, eps=eps)
+    decay = [add_decayed_weights(weight_decay, mask=mask)] if weight_decay else []
+    transformation = chain(*decay, scaling, scale_by_learning_rate(learning_rate))
+    if weight_decay or amsgrad:
+        return transformation
     # AdamW without decay: compile_step may run the fused AdamW kernel (fsg/_src/passes/fuse_adamw.py).
     return transformation._replace(spec=AdamWSpec(b1, b2, eps, 0.0, None, learning_rate, decay_state=False))
 
@@ -58,6 +76,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-4,
     mask: MaskOrFn = None,
+    amsgrad: bool = False,
 ) -> GradientTransformation:
     """Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
 
@@ -69,17 +88,21 @@ def adamw(
       b1, b2, eps: Adam's constants.
       weight_decay: the decoupled decay coefficient.
       mask: which params to decay (see ``add_decayed_weights``); all when ``None``.
+      amsgrad: scale by the largest second moment so far (``scale_by_amsgrad``).
 
     Example:
       >>> opt = fsg.optim.adamw(fsg.optim.warmup_cosine(3e-4, warmup=100, total=10_000), weight_decay=0.1)
     """
     _adam_checks("adamw", learning_rate, b1, b2, eps)
     _checks.non_negative("adamw(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
+    checks.flag("adamw(amsgrad=...)", amsgrad)
     transformation = chain(
-        scale_by_adam(b1=b1, b2=b2, eps=eps),
+        scale_by_amsgrad(b1=b1, b2=b2, eps=eps) if amsgrad else scale_by_adam(b1=b1, b2=b2, eps=eps),
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
+    if amsgrad:
+        return transformation
     # compile_step may replace this traced math by the fused kernel (fsg/_src/passes/fuse_adamw.py).
     return transformation._replace(spec=AdamWSpec(b1, b2, eps, weight_decay, mask, learning_rate))
 
