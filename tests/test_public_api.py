@@ -17,7 +17,7 @@ def test_fsg_public_names():
 
 def test_optim_public_names():
     assert sorted(fsg.optim.__all__) == sorted([
-        "AdafactorState", "EmptyState", "ScaleByAdadeltaState", "ScaleByAdamaxState", "ScaleByAmsgradState",
+        "AdafactorState", "DampedTraceState", "EmptyState", "ScaleByAdadeltaState", "ScaleByAdamaxState", "ScaleByAmsgradState",
         "ScaleByNadamState", "adadelta", "adamax", "nadam", "radam", "scale_by_adadelta", "scale_by_adamax",
         "scale_by_amsgrad", "scale_by_nadam", "scale_by_radam", "GradientTransformation", "MaskedNode", "Schedule", "ScaleByAdamState",
         "ScaleByLearningRateState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState", "ScaleByRssState", "ScaleByScheduleState", "TraceState",

@@ -42,6 +42,7 @@ from fsg._src.optim._schedules import cosine as cosine
 from fsg._src.optim._schedules import linear as linear
 from fsg._src.optim._schedules import piecewise as piecewise
 from fsg._src.optim._schedules import warmup_cosine as warmup_cosine
+from fsg._src.optim._transforms import DampedTraceState as DampedTraceState
 from fsg._src.optim._transforms import ScaleByAdamState as ScaleByAdamState
 from fsg._src.optim._transforms import ScaleByLearningRateState as ScaleByLearningRateState
 from fsg._src.optim._transforms import ScaleByLionState as ScaleByLionState
@@ -59,6 +60,7 @@ from fsg._src.tree import MaskedNode as MaskedNode
 
 __all__ = [
     "AdafactorState",
+    "DampedTraceState",
     "EmptyState",
     "GradientTransformation",
     "MaskedNode",

@@ -42,6 +42,14 @@ CASES = {
         lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, nesterov=True),
         lambda: fsg.optim.sgd(5e-2, momentum=0.9, nesterov=True),
     ),
+    "sgd_l2_dampening": (
+        lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, dampening=0.3, weight_decay=5e-3),
+        lambda: fsg.optim.sgd(5e-2, momentum=0.9, dampening=0.3, weight_decay=5e-3),
+    ),
+    "sgd_nesterov_l2": (
+        lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=5e-3),
+        lambda: fsg.optim.sgd(5e-2, momentum=0.9, nesterov=True, weight_decay=5e-3),
+    ),
     "rmsprop": (
         lambda p: torch.optim.RMSprop(p, lr=1e-3),
         lambda: fsg.optim.rmsprop(1e-3),

@@ -9,6 +9,7 @@ OPTIMIZERS = {
     "sgd": lambda: fsg.optim.sgd(0.1),
     "sgd_momentum": lambda: fsg.optim.sgd(0.05, momentum=0.9),
     "sgd_nesterov": lambda: fsg.optim.sgd(0.05, momentum=0.9, nesterov=True),
+    "sgd_dampened_l2": lambda: fsg.optim.sgd(0.05, momentum=0.9, dampening=0.5, weight_decay=1e-3),
     "adam": lambda: fsg.optim.adam(0.05),
     "adamw": lambda: fsg.optim.adamw(0.05, weight_decay=0.01),
     "adamw_masked": lambda: fsg.optim.adamw(

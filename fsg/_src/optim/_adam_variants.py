@@ -212,6 +212,7 @@ def nadam(
     Example:
       >>> opt = fsg.optim.nadam(2e-3, weight_decay=0.01, decoupled_weight_decay=True)
     """
+    _adam_constants("nadam", b1, b2, eps)
     scaling = scale_by_nadam(b1=b1, b2=b2, eps=eps, momentum_decay=momentum_decay)
     return _with_decay("nadam", scaling, learning_rate, weight_decay, decoupled_weight_decay, mask)
 
@@ -231,6 +232,7 @@ def radam(
     Example:
       >>> opt = fsg.optim.radam(1e-3)
     """
+    _adam_constants("radam", b1, b2, eps)
     scaling = scale_by_radam(b1=b1, b2=b2, eps=eps)
     return _with_decay("radam", scaling, learning_rate, weight_decay, decoupled_weight_decay, mask)
 
@@ -249,6 +251,7 @@ def adamax(
     Example:
       >>> opt = fsg.optim.adamax(2e-3)
     """
+    _adam_constants("adamax", b1, b2, eps)
     return _with_decay("adamax", scale_by_adamax(b1=b1, b2=b2, eps=eps), learning_rate, weight_decay, False, mask)
 
 
@@ -265,6 +268,8 @@ def adadelta(
     Example:
       >>> opt = fsg.optim.adadelta(1.0)
     """
+    _checks.beta("adadelta(rho=...)", rho)
+    _checks.eps("adadelta(eps=...)", eps)
     return _with_decay("adadelta", scale_by_adadelta(rho=rho, eps=eps), learning_rate, weight_decay, False, mask)
 
 

@@ -18,22 +18,35 @@ from fsg._src.optim._transforms import (
 
 
 def sgd(
-    learning_rate: ScalarOrSchedule, *, momentum: float | None = None, nesterov: bool = False
+    learning_rate: ScalarOrSchedule,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    mask: MaskOrFn = None,
 ) -> GradientTransformation:
     """Stochastic gradient descent, optionally with (Nesterov) momentum.
 
-    Matches ``torch.optim.SGD(lr, momentum, nesterov=nesterov)`` with ``dampening=0``.
+    Matches ``torch.optim.SGD`` with the same arguments: ``weight_decay`` is L2 (added to the
+    gradient; ``mask`` picks the params it applies to), ``dampening`` scales the gradient into
+    the momentum buffer from the second step on (``trace``).
 
     Example:
-      >>> opt = fsg.optim.sgd(0.1, momentum=0.9, nesterov=True)
+      >>> opt = fsg.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     """
     _checks.learning_rate("sgd(learning_rate=...)", learning_rate)
     if momentum is not None:
         _checks.non_negative("sgd(momentum=...)", momentum, fix="Pass a momentum such as 0.9, or None for none")
     checks.flag("sgd(nesterov=...)", nesterov)
-    if nesterov and not momentum:
-        raise checks.fail("sgd(nesterov=True)", "needs a momentum > 0", momentum, "Pass momentum=0.9, say")
-    parts = [trace(decay=momentum, nesterov=nesterov)] if momentum else []
+    _checks.non_negative("sgd(weight_decay=...)", weight_decay, fix="Pass 0.0 for no decay")
+    _checks.non_negative("sgd(dampening=...)", dampening, fix="Pass 0.0 for none")
+    if nesterov and (not momentum or dampening):
+        raise checks.fail("sgd(nesterov=True)", "needs a momentum > 0 and dampening=0 (as torch.optim.SGD)",
+                          (momentum, dampening), "Pass momentum=0.9, dampening=0.0, say")  # fmt: skip
+    parts = [add_decayed_weights(weight_decay, mask=mask)] if weight_decay else []
+    if momentum:
+        parts.append(trace(decay=momentum, nesterov=nesterov, dampening=dampening))
     return chain(*parts, scale_by_learning_rate(learning_rate))
 
 

@@ -84,23 +84,38 @@ class TraceState(NamedTuple):
     trace: Any
 
 
-def trace(*, decay: float, nesterov: bool = False) -> GradientTransformation:
-    """Heavy-ball momentum: ``t <- g + decay * t``; the update is ``t`` (or, with
-    ``nesterov``, ``g + decay * t``), matching ``torch.optim.SGD`` with ``dampening=0``.
+class DampedTraceState(NamedTuple):
+    """State of ``trace`` with ``dampening``: the update count (the first step fills the buffer
+    undamped) and the momentum buffer."""
+
+    count: torch.Tensor
+    trace: Any
+
+
+def trace(*, decay: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:
+    """Heavy-ball momentum: ``t <- decay * t + (1 - dampening) * g`` (``t <- g`` on the first
+    step); the update is ``t`` (or, with ``nesterov``, ``g + decay * t``), matching
+    ``torch.optim.SGD``.
 
     Example:
       >>> opt = fsg.optim.trace(decay=0.9, nesterov=True)
     """
     _checks.non_negative("trace(decay=...)", decay, fix="Pass a momentum such as 0.9")
     checks.flag("trace(nesterov=...)", nesterov)
+    _checks.non_negative("trace(dampening=...)", dampening, fix="Pass 0.0 for none")
 
     def init(params):
-        return TraceState(tree.tree_map(torch.zeros_like, params))
+        zeros = tree.tree_map(torch.zeros_like, params)
+        return DampedTraceState(zeros_count(params), zeros) if dampening else TraceState(zeros)
 
     def update(updates, state, params=None):
-        new_trace = tree.tree_map(lambda t, g: g + decay * t, state.trace, updates)
+        if dampening:  # (t starts at 0: without dampening, g + decay * 0 is the first step's g)
+            first = state.count == 0
+            new_trace = tree.tree_map(lambda t, g: torch.where(first, g, decay * t + (1 - dampening) * g), state.trace, updates)
+        else:
+            new_trace = tree.tree_map(lambda t, g: g + decay * t, state.trace, updates)
         new_updates = tree.tree_map(lambda t, g: g + decay * t, new_trace, updates) if nesterov else new_trace
-        return new_updates, TraceState(new_trace)
+        return new_updates, (DampedTraceState(state.count + 1, new_trace) if dampening else TraceState(new_trace))
 
     return GradientTransformation(init, update)
 
