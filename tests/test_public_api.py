@@ -22,7 +22,7 @@ def test_optim_public_names():
         "scale_by_amsgrad", "scale_by_nadam", "scale_by_radam", "GradientTransformation", "MaskedNode", "Schedule", "ScaleByAdamState",
         "ScaleByLearningRateState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState", "ScaleByRssState", "ScaleByScheduleState", "TraceState",
         "adafactor", "adagrad", "adam", "adamw", "add_decayed_weights", "apply_updates", "chain", "clip_by_global_norm",
-        "constant", "cosine", "global_norm", "learning_rate", "linear", "lion", "multi_transform", "muon",
+        "constant", "cosine", "from_torch", "global_norm", "learning_rate", "linear", "lion", "multi_transform", "muon",
         "piecewise", "rmsprop", "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss",
         "scale_by_schedule", "set_to_zero", "sgd", "trace", "warmup_cosine",
     ])  # fmt: skip

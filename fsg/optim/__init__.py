@@ -31,6 +31,7 @@ from fsg._src.optim._classic import rmsprop as rmsprop
 from fsg._src.optim._classic import scale_by_rms as scale_by_rms
 from fsg._src.optim._classic import scale_by_rss as scale_by_rss
 from fsg._src.optim._clipping import clip_by_global_norm as clip_by_global_norm
+from fsg._src.optim._from_torch import from_torch as from_torch
 from fsg._src.optim._multi import multi_transform as multi_transform
 from fsg._src.optim._multi import set_to_zero as set_to_zero
 from fsg._src.optim._muon import ScaleByMuonState as ScaleByMuonState
@@ -89,6 +90,7 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cosine",
+    "from_torch",
     "global_norm",
     "learning_rate",
     "linear",

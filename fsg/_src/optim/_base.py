@@ -95,6 +95,10 @@ def check_transformation(where: str, value: Any) -> None:
         return
     fix = "Use fsg.optim.adamw(...), fsg.optim.sgd(...) or another fsg.optim builder"
     if isinstance(value, torch.optim.Optimizer) or isinstance(value, type) and issubclass(value, torch.optim.Optimizer):
+        from fsg._src.optim._from_torch import equivalent  # (it imports the builders, which import this module)
+
+        same = equivalent(value)
+        fix = f"{fix}; this one is {same}, or fsg.optim.from_torch(optimizer)" if same else fix
         fix = f"fsg optimizers are optax-style pure functions, not torch.optim classes. {fix}"
     raise checks.fail(where, "must be an fsg.optim.GradientTransformation", value, fix)
 

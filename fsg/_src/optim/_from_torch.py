@@ -1,0 +1,114 @@
+"""``from_torch``: the ``fsg.optim`` transformation that computes what a ``torch.optim``
+optimizer computes, from the optimizer (its one parameter group's hyperparameters) or its
+class (torch's defaults). A training script moves to fsg without re-deriving its settings."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from fsg._src import checks
+from fsg._src.optim import _adafactor, _adam_variants, _alias, _classic
+from fsg._src.optim._base import GradientTransformation
+
+
+def _betas(group: dict) -> dict:
+    return {"b1": group["betas"][0], "b2": group["betas"][1]}
+
+
+def _adam(group: dict) -> tuple[Callable, dict]:
+    kwargs = {**_betas(group), "eps": group["eps"], "weight_decay": group["weight_decay"], "amsgrad": group["amsgrad"]}
+    return (_alias.adamw if group.get("decoupled_weight_decay") else _alias.adam), kwargs
+
+
+# torch.optim class name -> group -> (fsg builder, its keyword arguments besides the learning rate)
+_RECIPES: dict[str, Callable[[dict], tuple[Callable, dict]]] = {
+    "SGD": lambda g: (_alias.sgd, {"momentum": g["momentum"] or None, "nesterov": g["nesterov"],
+                                   "weight_decay": g["weight_decay"], "dampening": g["dampening"]}),  # fmt: skip
+    "Adam": _adam,
+    "AdamW": lambda g: (_alias.adamw, {**_betas(g), "eps": g["eps"], "weight_decay": g["weight_decay"],
+                                       "amsgrad": g["amsgrad"]}),  # fmt: skip
+    "NAdam": lambda g: (_adam_variants.nadam, {**_betas(g), "eps": g["eps"], "weight_decay": g["weight_decay"],
+                                               "momentum_decay": g["momentum_decay"],
+                                               "decoupled_weight_decay": g["decoupled_weight_decay"]}),  # fmt: skip
+    "RAdam": lambda g: (_adam_variants.radam, {**_betas(g), "eps": g["eps"], "weight_decay": g["weight_decay"],
+                                               "decoupled_weight_decay": g["decoupled_weight_decay"]}),  # fmt: skip
+    "Adamax": lambda g: (_adam_variants.adamax, {**_betas(g), "eps": g["eps"], "weight_decay": g["weight_decay"]}),
+    "Adadelta": lambda g: (_adam_variants.adadelta, {"rho": g["rho"], "eps": g["eps"], "weight_decay": g["weight_decay"]}),
+    "Adagrad": lambda g: (_classic.adagrad, {"lr_decay": g["lr_decay"], "weight_decay": g["weight_decay"], "eps": g["eps"],
+                                             "initial_accumulator_value": g["initial_accumulator_value"]}),  # fmt: skip
+    "RMSprop": lambda g: (_classic.rmsprop, {"alpha": g["alpha"], "eps": g["eps"], "weight_decay": g["weight_decay"],
+                                             "momentum": g["momentum"], "centered": g["centered"]}),  # fmt: skip
+    "Adafactor": lambda g: (_adafactor.adafactor, {"beta2_decay": g["beta2_decay"], "eps": tuple(g["eps"]), "d": g["d"],
+                                                   "weight_decay": g["weight_decay"]}),  # fmt: skip
+}
+
+
+def from_torch(optimizer: torch.optim.Optimizer | type) -> GradientTransformation:
+    """The ``fsg.optim`` transformation equal to a ``torch.optim`` optimizer.
+
+    Args:
+      optimizer: a ``torch.optim`` optimizer with one parameter group (its hyperparameters
+        are read; its parameters and state are not), or a ``torch.optim`` class (torch's
+        default hyperparameters; ``lr`` required where torch requires it). SGD, Adam, AdamW,
+        NAdam, RAdam, Adamax, Adadelta, Adagrad, RMSprop and Adafactor.
+
+    Returns:
+      The transformation (``fsg.optim.adamw(...)`` and so on), tested to step as the torch
+      optimizer does.
+
+    Raises:
+      ArgumentError: another optimizer, several parameter groups (build them with
+        ``fsg.optim.multi_transform``), or ``maximize=True``: each names what to do instead.
+        (How torch runs its step, ``foreach``, ``fused``, ``capturable``, does not matter.)
+
+    Example:
+      >>> opt = fsg.optim.from_torch(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=3e-4))
+    """
+    builder, lr, kwargs = _recipe(optimizer)
+    return builder(lr, **kwargs)
+
+
+def equivalent(optimizer: Any) -> str | None:
+    """``'fsg.optim.adamw(0.001, b1=0.9, ...)'`` for a torch optimizer or class, or None
+    where ``from_torch`` would refuse it (for an error message's fix)."""
+    try:
+        builder, lr, kwargs = _recipe(optimizer)
+    except Exception:
+        return None
+    shown = ", ".join([repr(lr)] + [f"{k}={v!r}" for k, v in kwargs.items()])
+    return f"fsg.optim.{builder.__name__}({shown})"
+
+
+def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    name = cls.__name__
+    if not issubclass(cls, torch.optim.Optimizer) or name not in _RECIPES or cls.__module__.split(".")[0] != "torch":
+        raise checks.fail("fsg.optim.from_torch(optimizer)", f"must be one of torch.optim's {', '.join(_RECIPES)}",
+                          optimizer, "Build the fsg.optim transformation by hand (docs/optimizers.md)")  # fmt: skip
+    if isinstance(optimizer, type):
+        group = {k: p.default for k, p in inspect.signature(cls).parameters.items() if k != "params"}
+        if group.get("lr") is inspect.Parameter.empty:
+            raise checks.fail(f"fsg.optim.from_torch({name})", "needs a learning rate (torch's has no default)",
+                              name, f"Pass an instance: fsg.optim.from_torch(torch.optim.{name}(params, lr=...))")  # fmt: skip
+    elif len(optimizer.param_groups) != 1:
+        raise checks.fail(f"fsg.optim.from_torch({name}(...))", "takes an optimizer with one parameter group",
+                          f"{len(optimizer.param_groups)} groups", "Build each group with from_torch and combine "
+                          "them with fsg.optim.multi_transform({label: transformation}, labels_of_params)")  # fmt: skip
+    else:
+        group = optimizer.param_groups[0]
+    group = {k: _plain(v) for k, v in group.items() if k != "params"}
+    if group.get("maximize"):
+        raise checks.fail(f"fsg.optim.from_torch({name}(...))", "has no counterpart of maximize=True", True,
+                          "Negate the loss instead")  # fmt: skip
+    builder, kwargs = _RECIPES[name](group)
+    return builder, group["lr"], {k: v for k, v in kwargs.items() if v is not False}
+
+
+def _plain(value: Any) -> Any:
+    """A hyperparameter as a Python value (torch takes 0-d tensors for ``lr``, ``betas``)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return tuple(_plain(v) for v in value) if isinstance(value, tuple) else value
