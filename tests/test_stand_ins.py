@@ -86,18 +86,8 @@ def test_a_cumulative_batch_norm_under_inductor_and_in_a_subclass(device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), Scaled(6, momentum=None), nn.ReLU(), nn.Linear(6, 1)).to(device)
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
-                            optimizer=fsg.optim.sgd(0.1), backend="inductor")  # fmt: skip
-    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
-    for seed in range(3):
-        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(device)
-        state, metrics = step(state, x)
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        opt.step()
-    for name, b in ref.named_buffers():
-        torch.testing.assert_close(state.buffers[name], b, rtol=1e-5, atol=1e-6, msg=name)
+    xs = [torch.randn(8, 4, generator=torch.Generator().manual_seed(seed)).to(device) for seed in range(3)]
+    _steps_as_eager_sgd(model, ref, xs, "inductor")
     assert all("forward" not in cls.__dict__ for cls in BATCH_NORMS.values())
     assert nn.BatchNorm2d.forward is stand_ins._FORWARD and F.gaussian_nll_loss is stand_ins._GAUSSIAN_NLL
 
@@ -112,21 +102,27 @@ def test_a_sync_batch_norm_steps_as_the_batch_norm_it_is(momentum):
     plain(torch.randn(2, 3, 6, 6))  # materialize the lazy head
     model = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(plain))
     assert isinstance(model[1], nn.SyncBatchNorm)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
-                            optimizer=fsg.optim.sgd(0.1), backend="aot_eager")  # fmt: skip
-    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
-    for seed in range(3):
-        x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
-        state, metrics = step(state, x)
-        opt.zero_grad()
-        plain(x).square().mean().backward()
-        opt.step()
-    for name, b in plain.named_buffers():
-        torch.testing.assert_close(state.buffers[name], b, rtol=1e-5, atol=1e-6, msg=name)
-    for name, p in plain.named_parameters():
-        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    xs = [torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+    _steps_as_eager_sgd(model, plain, xs, "aot_eager")
     assert "forward" in nn.SyncBatchNorm.__dict__ and nn.SyncBatchNorm.forward.__module__ == "torch.nn.modules.batchnorm"
+
+
+def _steps_as_eager_sgd(model, ref, xs, backend):
+    """SGD steps of ``mean(model(x)**2)`` compiled with ``backend`` leave the params and
+    buffers of eager SGD on ``ref``."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    step = fsg.compile_step(lambda p, b, bufs: fsg.apply(model, p, b, buffers=bufs).square().mean(),
+                            optimizer=fsg.optim.sgd(0.1), backend=backend)  # fmt: skip
+    state = step.init(fsg.params(model), buffers=fsg.buffers(model))
+    for x in xs:
+        state, _ = step(state, x)
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    for name, b in ref.named_buffers():
+        torch.testing.assert_close(state.buffers[name], b, rtol=1e-5, atol=1e-6, msg=name)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _variance_shapes(draw_shape):
