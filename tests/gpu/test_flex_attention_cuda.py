@@ -1,0 +1,44 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``) in a loss on CUDA: the step's loss and
+gradients equal eager PyTorch's (torch's CPU FlexAttention has no backward)."""
+
+import warnings
+
+import pytest
+import torch
+
+import fsg
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+def test_flex_attention_steps_as_eager(backend, mask):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192).cuda()
+    document = torch.arange(256, device="cuda") // 96  # three documents, packed
+
+    def keep(b, h, q, kv):
+        return (q >= kv) & (document[q] == document[kv]) if mask == "documents" else q >= kv
+
+    block_mask = create_block_mask(keep, None, None, 256, 256, device="cuda")
+
+    def loss_fn(params, x):
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v, block_mask=block_mask).square().mean()
+
+    x = torch.randn(2, 256, 64, device="cuda")
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend=backend)
+    state = step.init({k: v.detach() for k, v in lin.named_parameters()})
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, metrics = step(state, x)
+    params = {k: v.detach().clone().requires_grad_() for k, v in lin.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        want = loss_fn(params, x)
+    want.backward()
+    torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
+    for k, p in params.items():
+        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5, msg=k)
