@@ -50,11 +50,34 @@ def test_tensor_hyperparameters_and_adams_decoupled_decay():
     assert equivalent(opt) == "fsg.optim.adamw(0.009999999776482582, b1=0.800000011920929, b2=0.9900000095367432, eps=1e-08, weight_decay=0.1)"
 
 
+def test_parameter_groups_become_groups_of_a_multi_transform():
+    """The usual no-decay group for biases, another learning rate for the last layer, and a
+    parameter in no group (torch leaves it; so does fsg): twenty steps as torch's."""
+
+    def make(parameters_of):
+        model = dict(parameters_of.named_parameters())
+        return torch.optim.AdamW([
+            {"params": [model["0.weight"]], "weight_decay": 0.1},
+            {"params": [model["0.bias"]], "weight_decay": 0.0},
+            {"params": [model["2.weight"]], "lr": 3e-2, "betas": (0.8, 0.9)},
+        ], lr=1e-2)  # fmt: skip
+
+    batches = [regression_batch(seed=i) for i in range(20)]
+    torch_model, fsg_model = mlp(seed=3), mlp(seed=3)
+    reference = run_torch(torch_model, lambda _: make(torch_model), batches)
+    state = run_fsg(fsg_model, fsg.optim.from_torch(make(fsg_model), model=fsg_model), batches)
+    assert torch.equal(state.params["2.bias"], mlp(seed=3).state_dict()["2.bias"])  # in no group: not trained
+    for k, ref in reference.items():
+        assert rel_err(state.params[k], ref) < 1e-5, k
+
+
 def test_what_cannot_be_translated_is_refused_with_the_fix():
     model = mlp(seed=3)
     groups = [{"params": [model[0].weight]}, {"params": [p for n, p in model.named_parameters() if n != "0.weight"]}]
-    with pytest.raises(fsg.ArgumentError, match="one parameter group.*multi_transform"):
+    with pytest.raises(fsg.ArgumentError, match="several parameter groups.*model=model"):
         fsg.optim.from_torch(torch.optim.AdamW(groups, lr=1e-3))
+    with pytest.raises(fsg.ArgumentError, match="not parameters of the model"):
+        fsg.optim.from_torch(torch.optim.AdamW(groups, lr=1e-3), model=mlp(seed=4))
     with pytest.raises(fsg.ArgumentError, match="maximize=True.*Negate the loss"):
         fsg.optim.from_torch(torch.optim.SGD(model.parameters(), lr=0.1, maximize=True))
     with pytest.raises(fsg.ArgumentError, match="must be one of torch.optim's SGD, Adam"):
@@ -70,4 +93,4 @@ def test_compile_step_given_a_torch_optimizer_names_its_fsg_equivalent():
     message = str(info.value)
     assert "this one is fsg.optim.adamw(0.0003, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.1)" in message
     assert "fsg.optim.from_torch(optimizer)" in message
-    assert inspect.signature(fsg.optim.from_torch).parameters.keys() == {"optimizer"}
+    assert list(inspect.signature(fsg.optim.from_torch).parameters) == ["optimizer", "model"]

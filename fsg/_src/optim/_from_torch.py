@@ -12,6 +12,7 @@ import torch
 from fsg._src import checks
 from fsg._src.optim import _adafactor, _adam_variants, _alias, _classic
 from fsg._src.optim._base import GradientTransformation
+from fsg._src.optim._multi import multi_transform, set_to_zero
 
 
 def _betas(group: dict) -> dict:
@@ -46,29 +47,48 @@ _RECIPES: dict[str, Callable[[dict], tuple[Callable, dict]]] = {
 }
 
 
-def from_torch(optimizer: torch.optim.Optimizer | type) -> GradientTransformation:
+def from_torch(optimizer: torch.optim.Optimizer | type, model: torch.nn.Module | None = None) -> GradientTransformation:
     """The ``fsg.optim`` transformation equal to a ``torch.optim`` optimizer.
 
     Args:
-      optimizer: a ``torch.optim`` optimizer with one parameter group (its hyperparameters
-        are read; its parameters and state are not), or a ``torch.optim`` class (torch's
-        default hyperparameters; ``lr`` required where torch requires it). SGD, Adam, AdamW,
+      optimizer: a ``torch.optim`` optimizer (its hyperparameters are read; its state is
+        not), or a ``torch.optim`` class (torch's default hyperparameters). SGD, Adam, AdamW,
         NAdam, RAdam, Adamax, Adadelta, Adagrad, RMSprop and Adafactor.
+      model: the module whose parameters ``optimizer`` holds, needed where it has several
+        parameter groups (no decay for biases and norms, say): each group becomes a group of
+        ``fsg.optim.multi_transform`` labelled ``"group0"``, ``"group1"``...; a parameter in no
+        group is not trained (``set_to_zero``), as torch leaves it.
 
     Returns:
-      The transformation (``fsg.optim.adamw(...)`` and so on), tested to step as the torch
-      optimizer does.
+      The transformation (``fsg.optim.adamw(...)``, or a ``multi_transform`` of them), tested
+      to step as the torch optimizer does.
 
     Raises:
-      ArgumentError: another optimizer, several parameter groups (build them with
-        ``fsg.optim.multi_transform``), or ``maximize=True``: each names what to do instead.
-        (How torch runs its step, ``foreach``, ``fused``, ``capturable``, does not matter.)
+      ArgumentError: another optimizer, several parameter groups without ``model`` (or
+        holding a tensor that is not one of its parameters), or ``maximize=True``: each names
+        what to do instead. (How torch runs its step, ``foreach``, ``fused``, ``capturable``,
+        does not matter.)
 
     Example:
       >>> opt = fsg.optim.from_torch(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=3e-4))
     """
-    builder, lr, kwargs = _recipe(optimizer)
-    return builder(lr, **kwargs)
+    groups = getattr(optimizer, "param_groups", [None]) if not isinstance(optimizer, type) else [None]
+    if len(groups) == 1:
+        builder, lr, kwargs = _recipe(optimizer)
+        return builder(lr, **kwargs)
+    name = type(optimizer).__name__
+    if model is None:
+        raise checks.fail(f"fsg.optim.from_torch({name}(...))", "has several parameter groups, so it needs the model "
+                          "whose parameters they hold", f"{len(groups)} groups", "Pass model=: "
+                          "fsg.optim.from_torch(optimizer, model=model)")  # fmt: skip
+    label_of = {id(p): f"group{i}" for i, group in enumerate(groups) for p in group["params"]}
+    labels = {n: label_of.get(id(p), "frozen") for n, p in model.named_parameters()}  # fsg.params' names
+    unknown = len(label_of) - len({id(p) for _, p in model.named_parameters()} & set(label_of))
+    if unknown:
+        raise checks.fail(f"fsg.optim.from_torch({name}(...), model=...)", "holds tensors that are not parameters of "
+                          "the model", f"{unknown} such tensor(s)", "Pass the module the optimizer was built on")  # fmt: skip
+    transforms = {f"group{i}": from_torch(_Group(optimizer, i)) for i in range(len(groups))}
+    return multi_transform({**transforms, "frozen": set_to_zero()}, labels)
 
 
 def equivalent(optimizer: Any) -> str | None:
@@ -83,7 +103,7 @@ def equivalent(optimizer: Any) -> str | None:
 
 
 def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    cls = optimizer if isinstance(optimizer, type) else getattr(optimizer, "cls", type(optimizer))
     name = cls.__name__
     if not issubclass(cls, torch.optim.Optimizer) or name not in _RECIPES or cls.__module__.split(".")[0] != "torch":
         raise checks.fail("fsg.optim.from_torch(optimizer)", f"must be one of torch.optim's {', '.join(_RECIPES)}",
@@ -94,9 +114,8 @@ def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
             raise checks.fail(f"fsg.optim.from_torch({name})", "needs a learning rate (torch's has no default)",
                               name, f"Pass an instance: fsg.optim.from_torch(torch.optim.{name}(params, lr=...))")  # fmt: skip
     elif len(optimizer.param_groups) != 1:
-        raise checks.fail(f"fsg.optim.from_torch({name}(...))", "takes an optimizer with one parameter group",
-                          f"{len(optimizer.param_groups)} groups", "Build each group with from_torch and combine "
-                          "them with fsg.optim.multi_transform({label: transformation}, labels_of_params)")  # fmt: skip
+        raise checks.fail(f"fsg.optim.from_torch({name}(...))", "is one transformation per parameter group",
+                          f"{len(optimizer.param_groups)} groups", "Call fsg.optim.from_torch(optimizer, model=model)")  # fmt: skip
     else:
         group = optimizer.param_groups[0]
     group = {k: _plain(v) for k, v in group.items() if k != "params"}
@@ -105,6 +124,14 @@ def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
                           "Negate the loss instead")  # fmt: skip
     builder, kwargs = _RECIPES[name](group)
     return builder, group["lr"], {k: v for k, v in kwargs.items() if v is not False}
+
+
+class _Group:
+    """One parameter group of a torch optimizer, seen as an optimizer with that group alone."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: int):
+        self.param_groups = [optimizer.param_groups[index]]
+        self.cls = type(optimizer)
 
 
 def _plain(value: Any) -> Any:
