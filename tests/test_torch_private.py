@@ -440,3 +440,18 @@ def test_wishart_samples_by_a_bartlett_method_of_the_sample_shape():
     gm = _torch_private.trace_fake(lambda x: x * torch.distributions.Wishart(torch.tensor(3.0), covariance_matrix=torch.eye(2)).rsample((4,)), torch.ones(()))
     assert all(n.target is not torch.ops.aten._local_scalar_dense.default for n in gm.graph.nodes)  # no host read
     assert torch.distributions.Wishart.rsample is original
+
+
+def test_lr_scheduler_parts_reads_one_cycle_phases_and_sequential_parts():
+    """OneCycleLR keeps its phases (``_schedule_phases``: end step and the group keys of the
+    start and end learning rates) and anneal kind; SequentialLR its schedulers and milestones."""
+    from torch.optim import lr_scheduler as L
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    parts = _torch_private.lr_scheduler_parts(L.OneCycleLR(optimizer, max_lr=1.0, total_steps=10, cycle_momentum=False,
+                                                           anneal_strategy="linear"))  # fmt: skip
+    assert parts["anneal"] == "linear" and [p["end_step"] for p in parts["phases"]] == [2.0, 9]
+    assert {(p["start_lr"], p["end_lr"]) for p in parts["phases"]} == {("initial_lr", "max_lr"), ("max_lr", "min_lr")}
+    first, second = L.ConstantLR(optimizer, total_iters=2), L.StepLR(optimizer, 3)
+    parts = _torch_private.lr_scheduler_parts(L.SequentialLR(optimizer, [first, second], milestones=[4]))
+    assert parts["schedulers"] == [first, second] and parts["milestones"] == [4]

@@ -30,8 +30,8 @@ __all__ = [  # fmt: skip
     "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "OpOverload",
     "REDUCE_SCATTER", "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
     "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
-    "fake_mode", "functionalize", "grad_hooks", "inductor_compile", "is_collective", "is_pure_op", "mutated_args",
-    "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
+    "fake_mode", "functionalize", "grad_hooks", "inductor_compile", "is_collective", "is_pure_op", "lr_scheduler_parts",
+    "mutated_args", "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
 # What tracing raises when Python needs a tensor's value (``if x > 0:``; ``.item()`` where not captured).
@@ -86,19 +86,21 @@ def dtensor_index_put_rule_is_positional() -> bool:
 def default_store() -> Any:
     """The default process group's ``torch.distributed.Store`` (every rank reaches it without a collective)."""
     import torch.distributed as dist
-
     return dist.distributed_c10d._get_default_store() if dist.is_available() and dist.is_initialized() else None
 
 
 core_decompositions = core_aten_decompositions  # () -> torch's decompositions to core ATen (torch.export's set)
+reparametrize = _reparametrize_module  # functional_call's (module, tensors, tie_weights, strict); fsg.apply's
 
 
 def all_decompositions() -> dict[Any, Callable[..., Any]]:  # every registered Python decomposition
     return dict(decomposition_table)
 
-# ``functional_call``'s context manager (module, tensors, tie_weights, strict): the module's tensors
-# are these until exit (fsg.apply keeps it open through the backward, where checkpointing reruns).
-reparametrize = _reparametrize_module
+
+def lr_scheduler_parts(s: Any) -> dict[str, Any]:  # OneCycleLR's phases and anneal ("cos"/"linear"); SequentialLR's
+    anneal = getattr(s, "_anneal_func_type", None) or getattr(getattr(s, "anneal_func", None), "__name__", "")
+    return {"phases": getattr(s, "_schedule_phases", None), "anneal": "cos" if "cos" in anneal else "linear",
+            "schedulers": getattr(s, "_schedulers", None), "milestones": getattr(s, "_milestones", None)}  # fmt: skip
 
 
 # Mutation and aliasing from an op's schema (``Tensor(a!)`` written, ``Tensor(a) -> Tensor(a)`` a view,
@@ -168,11 +170,10 @@ def aliased_args(target: Any) -> frozenset[int]:
 def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool = False,
                decompositions: dict[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:  # fmt: skip
     """Traces ``fn(*args)`` to an aten FX graph on fake tensors. ``decompositions`` maps ops to
-    Python functions run in their place (the graph records what they call); fsg's corrections
-    and rewrites (``fsg/_src/decompositions.py``) always apply. Real tensors ``fn`` closes over
-    become graph constants. ``source_lines`` records each node's stack (``meta["stack_trace"]``:
-    errors name the user's line; a fifth of the trace's time). Runs under ``_traceable``;
-    ``torch.compile``d code traces as the Python it wraps (``error_on_nested_fx_trace``)."""
+    Python functions run in their place; fsg's corrections and rewrites (``decompositions.py``)
+    always apply. Real tensors ``fn`` closes over become graph constants. ``source_lines`` records
+    each node's stack (``meta["stack_trace"]``: errors name the user's line; a fifth of the trace's
+    time). Under ``_traceable``; ``torch.compile``d code traces as the Python it wraps."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
     with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _traceable():
@@ -205,11 +206,10 @@ def functionalize(
 ) -> torch.fx.GraphModule:
     """``gm`` traced again through torch's functionalization: every in-place op becomes its
     out-of-place form and a write to an input one ``copy_`` into it at the end, so the only
-    writes left are that epilogue. Views stay views; nodes keep their ``stack_trace``; nothing
-    is computed (fake values). ``decompositions`` lowers the ops functionalization emits (e.g.
-    ``aten.copy``). Tensor constants go in as functionalized arguments too, so an in-place op
-    on a tensor computed from constants alone (``cross_entropy``'s with a class weight, label
-    smoothing and an ignore index) is made out-of-place like any other."""
+    writes left are that epilogue. Views stay views; nodes keep their ``stack_trace``; nothing is
+    computed (fake values). ``decompositions`` lowers the ops functionalization emits (``aten.copy``).
+    Tensor constants are functionalized arguments too: an in-place op on a tensor computed from
+    constants alone (``cross_entropy``'s with a weight, smoothing, an ignore index) is rewritten."""
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     fetch = fx.Interpreter(gm).fetch_attr
     names = sorted({n.target for n in gm.graph.nodes if n.op == "get_attr" and isinstance(fetch(n.target), torch.Tensor)})

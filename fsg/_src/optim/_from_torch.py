@@ -13,6 +13,7 @@ from fsg._src import checks
 from fsg._src.optim import _adafactor, _adam_variants, _alias, _classic
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.optim._multi import multi_transform, set_to_zero
+from fsg._src.optim._torch_schedules import schedules_of
 
 
 def _betas(group: dict) -> dict:
@@ -47,7 +48,9 @@ _RECIPES: dict[str, Callable[[dict], tuple[Callable, dict]]] = {
 }
 
 
-def from_torch(optimizer: torch.optim.Optimizer | type, model: torch.nn.Module | None = None) -> GradientTransformation:
+def from_torch(
+    optimizer: torch.optim.Optimizer | type, model: torch.nn.Module | None = None, *, scheduler: Any = None
+) -> GradientTransformation:
     """The ``fsg.optim`` transformation equal to a ``torch.optim`` optimizer.
 
     Args:
@@ -58,6 +61,10 @@ def from_torch(optimizer: torch.optim.Optimizer | type, model: torch.nn.Module |
         parameter groups (no decay for biases and norms, say): each group becomes a group of
         ``fsg.optim.multi_transform`` labelled ``"group0"``, ``"group1"``...; a parameter in no
         group is not trained (``set_to_zero``), as torch leaves it.
+      scheduler: a fresh ``torch.optim.lr_scheduler`` of ``optimizer``, stepped once per
+        optimizer step: each group's learning rate follows it, in closed form in the graph
+        (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR,
+        PolynomialLR, OneCycleLR without momentum cycling, and a SequentialLR of them).
 
     Returns:
       The transformation (``fsg.optim.adamw(...)``, or a ``multi_transform`` of them), tested
@@ -73,9 +80,9 @@ def from_torch(optimizer: torch.optim.Optimizer | type, model: torch.nn.Module |
       >>> opt = fsg.optim.from_torch(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=3e-4))
     """
     groups = getattr(optimizer, "param_groups", [None]) if not isinstance(optimizer, type) else [None]
+    rates = schedules_of(scheduler, optimizer) if scheduler is not None else [None] * len(groups)
     if len(groups) == 1:
-        builder, lr, kwargs = _recipe(optimizer)
-        return builder(lr, **kwargs)
+        return _with_rate(optimizer, rates[0])
     name = type(optimizer).__name__
     if model is None:
         raise checks.fail(f"fsg.optim.from_torch({name}(...))", "has several parameter groups, so it needs the model "
@@ -87,7 +94,7 @@ def from_torch(optimizer: torch.optim.Optimizer | type, model: torch.nn.Module |
     if unknown:
         raise checks.fail(f"fsg.optim.from_torch({name}(...), model=...)", "holds tensors that are not parameters of "
                           "the model", f"{unknown} such tensor(s)", "Pass the module the optimizer was built on")  # fmt: skip
-    transforms = {f"group{i}": from_torch(_Group(optimizer, i)) for i in range(len(groups))}
+    transforms = {f"group{i}": _with_rate(_Group(optimizer, i), rates[i]) for i in range(len(groups))}
     return multi_transform({**transforms, "frozen": set_to_zero()}, labels)
 
 
@@ -124,6 +131,11 @@ def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
                           "Negate the loss instead")  # fmt: skip
     builder, kwargs = _RECIPES[name](group)
     return builder, group["lr"], {k: v for k, v in kwargs.items() if v is not False}
+
+
+def _with_rate(group: Any, rate: Any) -> GradientTransformation:
+    builder, lr, kwargs = _recipe(group)
+    return builder(rate or lr, **kwargs)
 
 
 class _Group:

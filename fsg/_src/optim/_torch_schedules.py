@@ -1,0 +1,105 @@
+"""A ``torch.optim.lr_scheduler`` as fsg schedules: the learning rate of each parameter group
+at optimizer step ``t`` (the value ``group["lr"]`` holds for the ``t``-th ``optimizer.step()``
+of a loop that calls ``scheduler.step()`` after each), in closed form over the step tensor, so
+it is traced into the graph like fsg's own schedules.
+
+StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR, PolynomialLR,
+OneCycleLR (without momentum cycling: fsg's momentum is a constant) and a SequentialLR of
+them. Others are refused by name: ``LambdaLR`` (its function is Python, usually with an ``if``
+on the step), ``ReduceLROnPlateau`` (it reads the metric), the cyclic ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from fsg._src import _torch_private, checks
+from fsg._src.optim._schedules import Schedule
+
+_Closed = Callable[[torch.Tensor], torch.Tensor]  # float64 step -> float64 learning rate
+
+
+def schedules_of(scheduler: Any, optimizer: torch.optim.Optimizer) -> list[Schedule]:
+    """One fsg schedule per parameter group of ``optimizer`` for a fresh ``scheduler`` of it."""
+    name = type(scheduler).__name__
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise checks.fail("fsg.optim.from_torch(scheduler=...)", "must be a scheduler of the optimizer given",
+                          name, "Pass the scheduler built on this optimizer")  # fmt: skip
+    if getattr(scheduler, "last_epoch", 0) != 0:
+        raise checks.fail(f"fsg.optim.from_torch(scheduler={name})", "must not have been stepped yet (fsg counts "
+                          "from step 0)", f"last_epoch={scheduler.last_epoch}", "Translate it before training")  # fmt: skip
+    return [_as_schedule(_closed(scheduler, i)) for i in range(len(optimizer.param_groups))]
+
+
+def _as_schedule(closed: _Closed) -> Schedule:
+    def schedule(count: torch.Tensor | int) -> torch.Tensor:
+        t = count if isinstance(count, torch.Tensor) else torch.tensor(count)
+        return closed(t.to(torch.float64)).to(torch.float32)
+
+    return schedule
+
+
+def _closed(s: Any, i: int) -> _Closed:
+    """Scheduler ``s``'s learning rate of group ``i`` as a function of the step."""
+    name, base = type(s).__name__, s.base_lrs[i] if hasattr(s, "base_lrs") else None
+    if name == "StepLR":
+        return lambda t: base * s.gamma ** torch.floor(t / s.step_size)
+    if name == "MultiStepLR":
+        milestones = sorted(s.milestones.elements())  # a Counter: a milestone given twice decays twice
+        return lambda t: base * s.gamma ** sum(((t >= m).double() for m in milestones), torch.zeros_like(t))
+    if name == "ExponentialLR":
+        return lambda t: base * s.gamma**t
+    if name == "CosineAnnealingLR":
+        return lambda t: s.eta_min + (base - s.eta_min) * (1 + torch.cos(math.pi * t / s.T_max)) / 2
+    if name == "LinearLR":
+        return lambda t: base * (s.start_factor + (s.end_factor - s.start_factor) * t.clamp(max=s.total_iters) / s.total_iters)
+    if name == "ConstantLR":
+        return lambda t: torch.where(t < s.total_iters, base * s.factor, base + 0 * t)
+    if name == "PolynomialLR":
+        return lambda t: base * (1 - t.clamp(max=s.total_iters) / s.total_iters) ** s.power
+    if name == "OneCycleLR":
+        return _one_cycle(s, i)
+    if name == "SequentialLR":
+        parts = _torch_private.lr_scheduler_parts(s)
+        pieces = [_closed(sub, i) for sub in parts["schedulers"]]
+
+        def sequential(t: torch.Tensor) -> torch.Tensor:
+            value = pieces[0](t)
+            for milestone, piece in zip(parts["milestones"], pieces[1:]):
+                value = torch.where(t >= milestone, piece(t - milestone), value)
+            return value
+
+        return sequential
+    why = {"LambdaLR": "its function is Python code (often with an if on the step), not a tensor function",
+           "MultiplicativeLR": "its function is Python code", "ReduceLROnPlateau": "it reads the metric each epoch",
+           "ChainedScheduler": "it composes schedulers multiplicatively step by step"}.get(name, "fsg has no closed form of it")  # fmt: skip
+    raise checks.fail(f"fsg.optim.from_torch(scheduler={name})", f"cannot be translated: {why}", name,
+                      "Use an fsg schedule (fsg.optim.warmup_cosine, linear, cosine, piecewise; docs/optimizers.md)")  # fmt: skip
+
+
+def _one_cycle(s: Any, i: int) -> _Closed:
+    if s.cycle_momentum:
+        raise checks.fail("fsg.optim.from_torch(scheduler=OneCycleLR)", "cycles the momentum (cycle_momentum=True), "
+                          "which fsg holds constant", True, "Build it with cycle_momentum=False")  # fmt: skip
+    parts, group = _torch_private.lr_scheduler_parts(s), s.optimizer.param_groups[i]
+    phases, total = parts["phases"], s.total_steps
+
+    def anneal(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
+        if parts["anneal"] == "cos":
+            return end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def one_cycle(t: torch.Tensor) -> torch.Tensor:
+        t = t.clamp(max=total)  # torch raises past total_steps; fsg holds the last phase's end
+        value, starts = None, [0.0] + [float(p["end_step"]) for p in phases[:-1]]
+        for k in reversed(range(len(phases))):  # the first phase whose end t has not passed wins
+            phase, start_step = phases[k], starts[k]
+            pct = (t - start_step) / (float(phase["end_step"]) - start_step)
+            lr = anneal(group[phase["start_lr"]], group[phase["end_lr"]], pct)
+            value = lr if value is None else torch.where(t <= float(phase["end_step"]), lr, value)
+        return value
+
+    return one_cycle
