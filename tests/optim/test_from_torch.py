@@ -93,4 +93,4 @@ def test_compile_step_given_a_torch_optimizer_names_its_fsg_equivalent():
     message = str(info.value)
     assert "this one is fsg.optim.adamw(0.0003, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.1)" in message
     assert "fsg.optim.from_torch(optimizer)" in message
-    assert list(inspect.signature(fsg.optim.from_torch).parameters) == ["optimizer", "model"]
+    assert list(inspect.signature(fsg.optim.from_torch).parameters) == ["optimizer", "model", "scheduler"]
