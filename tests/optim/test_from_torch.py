@@ -41,6 +41,29 @@ def test_a_class_gives_torch_defaults(cls):
         assert rel_err(state.params[k], ref) < 1e-5, k
 
 
+def test_an_optimizer_of_some_parameters_leaves_the_others_untrained():
+    """torch's Muon takes matrices only: given the model, the biases it does not hold stay as
+    they are (torch leaves them); the weights step as the Muon built by hand, bit for bit, and
+    as torch's within bfloat16's reach (Newton-Schulz rounds the gradient to bfloat16, so
+    float32 differences of 1e-7 in it reach 5e-4 relative after 4 steps)."""
+    batches = [regression_batch(seed=i) for i in range(4)]
+
+    def make(model):
+        return torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02, nesterov=False)
+
+    torch_model, fsg_model = mlp(seed=3), mlp(seed=3)
+    reference = run_torch(torch_model, lambda _: make(torch_model), batches)
+    state = run_fsg(fsg_model, fsg.optim.from_torch(make(fsg_model), model=fsg_model), batches, backend="eager")
+    labels = {k: "muon" if v.ndim == 2 else "frozen" for k, v in fsg.params(fsg_model).items()}
+    by_hand = fsg.optim.multi_transform({"muon": fsg.optim.muon(0.02, nesterov=False), "frozen": fsg.optim.set_to_zero()},
+                                        labels)  # fmt: skip
+    want = run_fsg(mlp(seed=3), by_hand, batches, backend="eager")
+    for k, ref in reference.items():
+        assert torch.equal(state.params[k], want.params[k]), k
+        assert rel_err(state.params[k], ref) < 2e-3, k
+    assert torch.equal(state.params["0.bias"], mlp(seed=3).state_dict()["0.bias"])
+
+
 def test_tensor_hyperparameters_and_adams_decoupled_decay():
     params = list(mlp(seed=3).parameters())
     opt = torch.optim.Adam(params, lr=torch.tensor(1e-2), betas=(torch.tensor(0.8), torch.tensor(0.99)), weight_decay=0.1,

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from fsg._src import checks
-from fsg._src.optim import _adafactor, _adam_variants, _alias, _classic
+from fsg._src.optim import _adafactor, _adam_variants, _alias, _classic, _muon
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.optim._multi import multi_transform, set_to_zero
 from fsg._src.optim._torch_schedules import schedules_of
@@ -43,6 +43,9 @@ _RECIPES: dict[str, Callable[[dict], tuple[Callable, dict]]] = {
                                              "initial_accumulator_value": g["initial_accumulator_value"]}),  # fmt: skip
     "RMSprop": lambda g: (_classic.rmsprop, {"alpha": g["alpha"], "eps": g["eps"], "weight_decay": g["weight_decay"],
                                              "momentum": g["momentum"], "centered": g["centered"]}),  # fmt: skip
+    "Muon": lambda g: (_muon.muon, {"weight_decay": g["weight_decay"], "momentum": g["momentum"],
+                                    "nesterov": g["nesterov"], "ns_coefficients": tuple(g["ns_coefficients"]),
+                                    "ns_steps": g["ns_steps"], "eps": g["eps"], "adjust_lr_fn": g["adjust_lr_fn"]}),  # fmt: skip
     "Adafactor": lambda g: (_adafactor.adafactor, {"beta2_decay": g["beta2_decay"], "eps": tuple(g["eps"]), "d": g["d"],
                                                    "weight_decay": g["weight_decay"]}),  # fmt: skip
 }
@@ -56,9 +59,10 @@ def from_torch(
     Args:
       optimizer: a ``torch.optim`` optimizer (its hyperparameters are read; its state is
         not), or a ``torch.optim`` class (torch's default hyperparameters). SGD, Adam, AdamW,
-        NAdam, RAdam, Adamax, Adadelta, Adagrad, RMSprop and Adafactor.
+        NAdam, RAdam, Adamax, Adadelta, Adagrad, RMSprop, Adafactor and Muon.
       model: the module whose parameters ``optimizer`` holds, needed where it has several
-        parameter groups (no decay for biases and norms, say): each group becomes a group of
+        parameter groups (no decay for biases and norms, say) or holds only some of the
+        model's parameters (Muon's matrices): each group becomes a group of
         ``fsg.optim.multi_transform`` labelled ``"group0"``, ``"group1"``...; a parameter in no
         group is not trained (``set_to_zero``), as torch leaves it.
       scheduler: a fresh ``torch.optim.lr_scheduler`` of ``optimizer``, stepped once per
@@ -81,7 +85,7 @@ def from_torch(
     """
     groups = getattr(optimizer, "param_groups", [None]) if not isinstance(optimizer, type) else [None]
     rates = schedules_of(scheduler, optimizer) if scheduler is not None else [None] * len(groups)
-    if len(groups) == 1:
+    if len(groups) == 1 and model is None:
         return _with_rate(optimizer, rates[0])
     name = type(optimizer).__name__
     if model is None:
@@ -105,7 +109,9 @@ def equivalent(optimizer: Any) -> str | None:
         builder, lr, kwargs = _recipe(optimizer)
     except Exception:
         return None
-    shown = ", ".join([repr(lr)] + [f"{k}={v!r}" for k, v in kwargs.items()])
+    defaults = {k: p.default for k, p in inspect.signature(builder).parameters.items()}
+    unset = [k for k, v in kwargs.items() if (v is False or v is None) and defaults.get(k, "") is v]  # off by default
+    shown = ", ".join([repr(lr)] + [f"{k}={v!r}" for k, v in kwargs.items() if k not in unset])
     return f"fsg.optim.{builder.__name__}({shown})"
 
 
@@ -130,7 +136,7 @@ def _recipe(optimizer: Any) -> tuple[Callable, Any, dict]:
         raise checks.fail(f"fsg.optim.from_torch({name}(...))", "has no counterpart of maximize=True", True,
                           "Negate the loss instead")  # fmt: skip
     builder, kwargs = _RECIPES[name](group)
-    return builder, group["lr"], {k: v for k, v in kwargs.items() if v is not False}
+    return builder, group["lr"], kwargs
 
 
 def _with_rate(group: Any, rate: Any) -> GradientTransformation:
