@@ -14,6 +14,16 @@ from tests.helpers import mlp, regression_batch, rel_err
 from tests.optim.test_against_torch import run_fsg
 
 STEPS = 60
+
+
+def _hugging_face(name, **kwargs):
+    def make(optimizer):
+        optimization = pytest.importorskip("transformers.optimization")
+        return getattr(optimization, f"get_{name}_schedule_with_warmup")(optimizer, **kwargs)
+
+    return make
+
+
 SCHEDULERS = {
     "StepLR": lambda o: L.StepLR(o, step_size=7, gamma=0.5),
     "MultiStepLR, a milestone twice": lambda o: L.MultiStepLR(o, milestones=[10, 25, 25, 40], gamma=0.3),
@@ -28,6 +38,12 @@ SCHEDULERS = {
         cycle_momentum=False),  # fmt: skip
     "SequentialLR: warm-up, cosine": lambda o: L.SequentialLR(
         o, [L.LinearLR(o, start_factor=0.01, total_iters=10), L.CosineAnnealingLR(o, T_max=50)], milestones=[10]),  # fmt: skip
+    "transformers linear warm-up": _hugging_face("linear", num_warmup_steps=10, num_training_steps=50),
+    "transformers cosine warm-up, 1.5 cycles": _hugging_face("cosine", num_warmup_steps=8, num_training_steps=55,
+                                                             num_cycles=1.5),  # fmt: skip
+    "transformers constant warm-up": _hugging_face("constant", num_warmup_steps=12),
+    "transformers polynomial warm-up, past the end": _hugging_face(
+        "polynomial_decay", num_warmup_steps=5, num_training_steps=40, lr_end=1e-4, power=2.0),  # fmt: skip
     "SequentialLR: constant, step, exponential": lambda o: L.SequentialLR(
         o, [L.ConstantLR(o, factor=0.5, total_iters=5), L.StepLR(o, 5, 0.5), L.ExponentialLR(o, 0.9)],
         milestones=[8, 30]),  # fmt: skip
@@ -80,7 +96,7 @@ def test_training_with_a_translated_scheduler_equals_torchs_loop():
 
 @pytest.mark.parametrize(
     "make, says",
-    [(lambda o: L.LambdaLR(o, lambda step: min(1.0, step / 10)), "LambdaLR.*Python code"),
+    [(lambda o: L.LambdaLR(o, lambda step: min(1.0, step / 10)), "LambdaLR.*Python code.*Hugging Face"),
      (lambda o: L.ReduceLROnPlateau(o), "ReduceLROnPlateau.*reads the metric"),
      (lambda o: L.OneCycleLR(o, max_lr=0.1, total_steps=10), "cycle_momentum=False"),
      (lambda o: L.CyclicLR(o, 0.01, 0.1, cycle_momentum=False), "CyclicLR.*no closed form")],

@@ -68,7 +68,8 @@ def from_torch(
       scheduler: a fresh ``torch.optim.lr_scheduler`` of ``optimizer``, stepped once per
         optimizer step: each group's learning rate follows it, in closed form in the graph
         (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR,
-        PolynomialLR, OneCycleLR without momentum cycling, and a SequentialLR of them).
+        PolynomialLR, OneCycleLR without momentum cycling, a SequentialLR of them, and
+        Hugging Face's ``get_*_schedule_with_warmup``).
 
     Returns:
       The transformation (``fsg.optim.adamw(...)``, or a ``multi_transform`` of them), tested

@@ -4,9 +4,10 @@ of a loop that calls ``scheduler.step()`` after each), in closed form over the s
 it is traced into the graph like fsg's own schedules.
 
 StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR, PolynomialLR,
-OneCycleLR (without momentum cycling: fsg's momentum is a constant) and a SequentialLR of
-them. Others are refused by name: ``LambdaLR`` (its function is Python, usually with an ``if``
-on the step), ``ReduceLROnPlateau`` (it reads the metric), the cyclic ones.
+OneCycleLR (without momentum cycling: fsg's momentum is a constant), a SequentialLR of them,
+and the LambdaLRs of Hugging Face's ``get_{linear,cosine,constant,polynomial_decay}_schedule_with_warmup``.
+Others are refused by name: another ``LambdaLR`` (its function is Python, usually with an
+``if`` on the step), ``ReduceLROnPlateau`` (it reads the metric), the cyclic ones.
 """
 
 from __future__ import annotations
@@ -73,11 +74,42 @@ def _closed(s: Any, i: int) -> _Closed:
             return value
 
         return sequential
-    why = {"LambdaLR": "its function is Python code (often with an if on the step), not a tensor function",
+    if name == "LambdaLR" and _hugging_face_factor(s.lr_lambdas[i]) is not None:
+        factor = _hugging_face_factor(s.lr_lambdas[i])
+        return lambda t: base * factor(t)
+    why = {"LambdaLR": "its function is Python code (often with an if on the step), not a tensor function "
+                       "(Hugging Face's get_{linear,cosine,constant,polynomial_decay}_schedule_with_warmup are translated)",
            "MultiplicativeLR": "its function is Python code", "ReduceLROnPlateau": "it reads the metric each epoch",
            "ChainedScheduler": "it composes schedulers multiplicatively step by step"}.get(name, "fsg has no closed form of it")  # fmt: skip
     raise checks.fail(f"fsg.optim.from_torch(scheduler={name})", f"cannot be translated: {why}", name,
                       "Use an fsg schedule (fsg.optim.warmup_cosine, linear, cosine, piecewise; docs/optimizers.md)")  # fmt: skip
+
+
+def _hugging_face_factor(fn: Any) -> _Closed | None:
+    """The LambdaLR factor of one of transformers' warm-up schedules (a ``functools.partial`` of
+    ``transformers.optimization``'s lambda, its arguments keywords) in tensor ops, or None."""
+    inner, kw = getattr(fn, "func", None), getattr(fn, "keywords", None) or {}
+    if not (getattr(inner, "__module__", "") or "").startswith("transformers") or getattr(fn, "args", ()):
+        return None
+    kind = getattr(inner, "__name__", "").removeprefix("_get_").removesuffix("_schedule_with_warmup_lr_lambda")
+    w = kw.get("num_warmup_steps", 0)
+    warm = lambda t: t / max(1, w)  # noqa: E731
+    if kind == "linear":
+        total = kw["num_training_steps"]
+        after = lambda t: ((total - t) / max(1, total - w)).clamp(min=0)  # noqa: E731
+    elif kind == "cosine":
+        total, cycles, floor = kw["num_training_steps"], kw["num_cycles"], kw.get("min_lr_rate", 0.0)
+        progress = lambda t: (t - w) / max(1, total - w)  # noqa: E731
+        after = lambda t: (0.5 * (1 + torch.cos(math.pi * cycles * 2 * progress(t))) * (1 - floor) + floor).clamp(min=0)  # noqa: E731
+    elif kind == "constant":
+        after = torch.ones_like
+    elif kind == "polynomial_decay":
+        total, end, power, init = kw["num_training_steps"], kw["lr_end"], kw["power"], kw["lr_init"]
+        decay = lambda t: ((init - end) * (1 - (t - w) / max(1, total - w)) ** power + end) / init  # noqa: E731
+        after = lambda t: torch.where(t > total, end / init + 0 * t, decay(t))  # noqa: E731
+    else:
+        return None
+    return lambda t: torch.where(t < w, warm(t), after(t))
 
 
 def _one_cycle(s: Any, i: int) -> _Closed:
