@@ -165,3 +165,14 @@ def test_a_shape_bug_in_the_loss_raises_torch_error_once_at_the_users_line(caplo
     assert any(str(frame.path) == THIS_FILE and "torch.ones(3, 5)" in str(frame.statement) for frame in info.traceback)
     assert not [r for r in caplog.records if "attempting to run meta" in r.getMessage()]
     assert not logging.getLogger("torch._subclasses.fake_tensor").filters  # removed after the trace
+
+
+def test_one_hot_without_num_classes_names_the_line():
+    """torch reads ``labels.max()`` for the width (docs/compiling.md's purity table)."""
+
+    def loss_fn(params, batch):
+        return (forward(params, batch) * torch.nn.functional.one_hot(batch["y"].long().abs() % 4)).mean()  # width?
+
+    with pytest.raises(fsg.HostSyncError) as info:
+        run_once(loss_fn)
+    assert "# width?" in str(info.value) and THIS_FILE in str(info.value)
