@@ -86,7 +86,7 @@ def from_torch(
     """
     groups = getattr(optimizer, "param_groups", [None]) if not isinstance(optimizer, type) else [None]
     rates = schedules_of(scheduler, optimizer) if scheduler is not None else [None] * len(groups)
-    if len(groups) == 1 and model is None:
+    if isinstance(optimizer, type) or (len(groups) == 1 and model is None):  # a class: one group of all params
         return _with_rate(optimizer, rates[0])
     name = type(optimizer).__name__
     if model is None:
