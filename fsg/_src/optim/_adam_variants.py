@@ -44,7 +44,7 @@ def scale_by_amsgrad(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -
     Example:
       >>> opt = fsg.optim.chain(fsg.optim.scale_by_amsgrad(), fsg.optim.scale_by_learning_rate(1e-3))
     """
-    _adam_constants("scale_by_amsgrad", b1, b2, eps)
+    adam_constants("scale_by_amsgrad", b1, b2, eps)
 
     def init(params):
         return ScaleByAmsgradState(zeros_count(params), _zeros(params), _zeros(params), _zeros(params))
@@ -80,7 +80,7 @@ def scale_by_nadam(
     Example:
       >>> opt = fsg.optim.chain(fsg.optim.scale_by_nadam(), fsg.optim.scale_by_learning_rate(2e-3))
     """
-    _adam_constants("scale_by_nadam", b1, b2, eps)
+    adam_constants("scale_by_nadam", b1, b2, eps)
     _checks.non_negative("scale_by_nadam(momentum_decay=...)", momentum_decay, fix="E.g. 4e-3")
 
     def init(params):
@@ -111,7 +111,7 @@ def scale_by_radam(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> 
     Example:
       >>> opt = fsg.optim.chain(fsg.optim.scale_by_radam(), fsg.optim.scale_by_learning_rate(1e-3))
     """
-    _adam_constants("scale_by_radam", b1, b2, eps)
+    adam_constants("scale_by_radam", b1, b2, eps)
     rho_inf = 2.0 / (1.0 - b2) - 1.0
 
     def init(params):
@@ -150,7 +150,7 @@ def scale_by_adamax(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) ->
     Example:
       >>> opt = fsg.optim.chain(fsg.optim.scale_by_adamax(), fsg.optim.scale_by_learning_rate(2e-3))
     """
-    _adam_constants("scale_by_adamax", b1, b2, eps)
+    adam_constants("scale_by_adamax", b1, b2, eps)
 
     def init(params):
         return ScaleByAdamaxState(zeros_count(params), _zeros(params), _zeros(params))
@@ -212,7 +212,7 @@ def nadam(
     Example:
       >>> opt = fsg.optim.nadam(2e-3, weight_decay=0.01, decoupled_weight_decay=True)
     """
-    _adam_constants("nadam", b1, b2, eps)
+    adam_constants("nadam", b1, b2, eps)
     scaling = scale_by_nadam(b1=b1, b2=b2, eps=eps, momentum_decay=momentum_decay)
     return _with_decay("nadam", scaling, learning_rate, weight_decay, decoupled_weight_decay, mask)
 
@@ -232,7 +232,7 @@ def radam(
     Example:
       >>> opt = fsg.optim.radam(1e-3)
     """
-    _adam_constants("radam", b1, b2, eps)
+    adam_constants("radam", b1, b2, eps)
     scaling = scale_by_radam(b1=b1, b2=b2, eps=eps)
     return _with_decay("radam", scaling, learning_rate, weight_decay, decoupled_weight_decay, mask)
 
@@ -251,7 +251,7 @@ def adamax(
     Example:
       >>> opt = fsg.optim.adamax(2e-3)
     """
-    _adam_constants("adamax", b1, b2, eps)
+    adam_constants("adamax", b1, b2, eps)
     return _with_decay("adamax", scale_by_adamax(b1=b1, b2=b2, eps=eps), learning_rate, weight_decay, False, mask)
 
 
@@ -293,7 +293,7 @@ def _with_decay(
     return chain(*parts, scale_by_learning_rate(learning_rate))
 
 
-def _adam_constants(name: str, b1: float, b2: float, eps: float) -> None:
+def adam_constants(name: str, b1: float, b2: float, eps: float) -> None:
     _checks.beta(f"{name}(b1=...)", b1)
     _checks.beta(f"{name}(b2=...)", b2)
     _checks.eps(f"{name}(eps=...)", eps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fsg._src import checks
 from fsg._src.optim import _checks
-from fsg._src.optim._adam_variants import scale_by_amsgrad
+from fsg._src.optim._adam_variants import adam_constants, scale_by_amsgrad
 from fsg._src.optim._base import AdamWSpec, GradientTransformation, chain
 from fsg._src.optim._schedules import ScalarOrSchedule
 from fsg._src.optim._transforms import (
@@ -146,6 +146,4 @@ def lion(
 
 def _adam_checks(name: str, learning_rate: ScalarOrSchedule, b1: float, b2: float, eps: float) -> None:
     _checks.learning_rate(f"{name}(learning_rate=...)", learning_rate)
-    _checks.beta(f"{name}(b1=...)", b1)
-    _checks.beta(f"{name}(b2=...)", b2)
-    _checks.eps(f"{name}(eps=...)", eps)
+    adam_constants(name, b1, b2, eps)
