@@ -28,13 +28,13 @@ from fsg._src.errors import StructureMismatchError as StructureMismatchError
 from fsg._src.errors import TopologyError as TopologyError
 from fsg._src.errors import UnsupportedError as UnsupportedError
 from fsg._src.errors import VerificationError as VerificationError
+from fsg._src.float8_config import Float8 as Float8
 from fsg._src.functional import apply as apply
 from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
 from fsg._src.precision import DynamicLossScale as DynamicLossScale
-from fsg._src.precision import Float8 as Float8
 from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
 from fsg._src.runtime.eval_step import EvalStep as EvalStep

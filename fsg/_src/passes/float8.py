@@ -30,8 +30,8 @@ from torch.distributed.tensor import Replicate, Shard
 from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
+from fsg._src.float8_config import Float8
 from fsg._src.passes.float8_quantize import Quantizer, flipped, fsdp_gathers, operands, peel
-from fsg._src.precision import Float8
 
 log = logging.getLogger("fsg")
 aten = torch.ops.aten

@@ -165,8 +165,9 @@ class Step:
         validate.check_init(params, seed)
         buffers = {} if buffers is None else tree.tree_map(lambda b: b.detach().clone(), buffers)
         tree.check_tensor_leaves(buffers, "buffers")
-        buffers = self._precision.cast_buffers(buffers, params)  # before the params are cast: their dtypes
-        params = self._precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
+        precision = self._precision.resolve(params)
+        buffers = precision.cast_buffers(buffers, params)  # before the params are cast: their dtypes
+        params = precision.cast_param(tree.tree_map(lambda p: p.detach().clone(), params))
         if self._mesh is not None:
             params = placement.distribute_params(params, self._mesh, self._param_sharding)
         elif self._declared_mesh is not None:  # one device: the specs are checked all the same

@@ -105,7 +105,7 @@ def verify_step(
     if step.mesh is None:
         log.info("fsg: verify: the step runs on one device; nothing to compare")
         return step(state, batch)
-    check_dtype = dtype or step.precision.compute
+    check_dtype = dtype or step.precision.resolve(state.params).compute
     default_rtol, default_atol = TOLERANCES.get(check_dtype, TOLERANCES[torch.float32])
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from fsg._src.errors import ArgumentError
+from fsg._src.precision import at_least_float32
 
 
 class Mean:
@@ -37,7 +38,8 @@ class Mean:
         w = None if self._weigh is None else weight(self._weigh, microbatch)
         if w is not None:
             self._total = w if self._total is None else self._total + w
-        loss = loss.float() if w is None else loss.float() * w
+        loss = loss.to(at_least_float32(loss.dtype))  # a float64 loss stays float64
+        loss = loss if w is None else loss * w.to(loss.dtype)
         self._loss = loss if self._loss is None else self._loss + loss
         for k, v in aux.items():
             v = v if w is None else v * w.to(v.dtype)

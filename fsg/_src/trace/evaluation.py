@@ -90,6 +90,7 @@ def trace_eval(
     step's key, not advanced: evaluating twice draws the same). ``fused_loss``: as ``trace``'s.
     """
     inputs = eval_inputs(state)
+    precision = precision.resolve(inputs.params)
     state_leaves, state_def = tree.flatten(inputs)
     batch_leaves, batch_def = tree.flatten(batch)
     n_state = len(state_leaves)

@@ -22,7 +22,7 @@ from fsg._src.kernels import sum_squares
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._complex import complex_like, real_views
 from fsg._src.optim._transforms import learning_rate
-from fsg._src.precision import Policy
+from fsg._src.precision import Policy, at_least_float32
 from fsg._src.trace import accumulation, epilogue, loss_output, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
@@ -115,6 +115,7 @@ def train_step(
     scale = resilience.scale_of(state, config)
 
     param_leaves, params_def = tree.flatten(state.params)
+    precision = precision.resolve(param_leaves)
     # Differentiate with torch.autograd (recorded by make_fx like any other op); the marker
     # ops stage 2 needs carry autograd formulas that functorch transforms cannot run.
     inputs = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in param_leaves]
@@ -149,7 +150,7 @@ def train_step(
     params, opt_state = frozen.keep((params, opt_state), (state.params, state.opt_state), params_def, frozen_leaves, kept)
     # fsg.optim.global_norm's math, one launch where fused kernels run (kernels/sum_squares.py)
     grad_norm = sum_squares.global_norm(real_views([g for i, g in enumerate(grad_leaves) if i not in kept] or grad_leaves))
-    metrics = {"loss": loss.detach().to(torch.float32), "grad_norm": grad_norm}
+    metrics = {"loss": loss.detach().to(at_least_float32(loss.dtype)), "grad_norm": grad_norm}
     lr = learning_rate(opt_state)
     if lr is not None:
         metrics["lr"] = lr
