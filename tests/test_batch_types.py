@@ -1,10 +1,11 @@
-"""What a batch may be: dicts, tuples and NamedTuples of tensors, and the mappings data
+"""What a batch may be: dicts, tuples, NamedTuples and dataclasses of tensors, and the mappings data
 pipelines hand over (Hugging Face's ``BatchEncoding``, from tokenizers and data collators; a
 ``UserDict``), which a step takes as the dicts they hold and gives back to ``loss_fn`` as
 themselves."""
 
 import collections
 import collections.abc
+import dataclasses
 
 import pytest
 import torch
@@ -82,3 +83,65 @@ def test_a_mapping_fsg_cannot_rebuild_is_named_with_the_fix():
                             backend="eager")  # fmt: skip
     with pytest.raises(fsg.NonTensorLeafError, match=r"batch\['inputs'\] is a _Frozen.*dict\("):
         step(step.init(fsg.params(model)), {"inputs": _Frozen(input_ids=ids, labels=ids)})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Example:
+    pair: _Pair
+    weight: torch.Tensor
+
+
+def test_a_dataclass_batch_trains_as_the_tuple_it_holds():
+    """Dataclasses (frozen or not, nested) are looked into, field by field, and loss_fn gets
+    them back as themselves; one compile for the run."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g), torch.rand(4, generator=g)) for _ in range(3)]
+    model = torch.nn.Linear(3, 2)
+
+    def per_row(params, x, y, w):
+        return ((fsg.apply(model, params, x) - y) ** 2).mean(-1).mul(w).mean()
+
+    seen = []
+
+    def loss_fn(params, b):
+        seen.append(type(b))
+        return per_row(params, b.pair.x, b.pair.y, b.weight)
+
+    losses = []
+    for fn, wrap in ((lambda p, b: per_row(p, *b), tuple), (loss_fn, lambda t: _Example(_Pair(t[0], t[1]), t[2]))):
+        step = fsg.compile_step(fn, optimizer=fsg.optim.sgd(0.1), backend="eager")
+        state = step.init(fsg.params(model))
+        for t in batches:
+            state, metrics = step(state, wrap(t))
+        assert step.num_compiles == 1
+        losses.append(metrics["loss"])
+    assert torch.equal(*losses) and seen[-1] is _Example
+
+
+@dataclasses.dataclass
+class _WithCount:
+    x: torch.Tensor
+    seen: int = dataclasses.field(init=False, default=0)
+
+
+@dataclasses.dataclass
+class _WithFloat:
+    x: torch.Tensor
+    scale: float = 1.0
+
+
+@pytest.mark.parametrize("batch, match", [
+    (_WithCount(torch.ones(2, 3)), r"batch is a _WithCount, a dataclass with a field its constructor does not take"),
+    (_WithFloat(torch.ones(2, 3)), r"batch\.scale is a float \(1\.0\).*torch\.tensor"),
+])  # fmt: skip
+def test_a_dataclass_fsg_cannot_trace_is_named_with_the_fix(batch, match):
+    model = torch.nn.Linear(3, 2)
+    step = fsg.compile_step(lambda p, b: fsg.apply(model, p, b.x).sum(), optimizer=fsg.optim.sgd(0.1), backend="eager")
+    with pytest.raises(fsg.NonTensorLeafError, match=match):
+        step(step.init(fsg.params(model)), batch)

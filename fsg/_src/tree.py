@@ -6,6 +6,7 @@ A *leaf path* is the Python expression that reaches a leaf from a named root, fo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -24,12 +25,21 @@ _MAPPINGS: set[type] = set()
 
 
 def _see(tree: Any) -> None:
-    """Registers ``tree``'s type as a node (its keys sorted, as a dict's) when it is a mapping
-    other than ``dict`` that can be rebuilt from a dict; anything else stays a leaf."""
+    """Registers ``tree``'s type as a node when it is a mapping other than ``dict`` that can be
+    rebuilt from a dict (its keys sorted, as a dict's) or a dataclass instance whose fields all
+    go to its constructor (its fields in order); anything else stays a leaf."""
     cls = type(tree)
-    if cls is dict or cls in _MAPPINGS or not isinstance(tree, Mapping):
+    if cls is dict or cls in _MAPPINGS or not _node_like(tree):
         return
     _MAPPINGS.add(cls)
+    if not isinstance(tree, Mapping):
+        names = [f.name for f in dataclasses.fields(tree)]
+        if all(f.init for f in dataclasses.fields(tree)):
+            optree.register_pytree_node(
+                cls, lambda d: ([getattr(d, n) for n in names], names, names),
+                lambda keys, values, cls=cls: cls(**dict(zip(keys, values))), namespace=_NAMESPACE,
+            )  # fmt: skip
+        return
     try:
         rebuilt = cls(dict(tree))
         if sorted(rebuilt) != sorted(tree):
@@ -40,6 +50,11 @@ def _see(tree: Any) -> None:
         cls, lambda m: ([m[k] for k in sorted(m)], sorted(m), sorted(m)),
         lambda keys, values, cls=cls: cls(dict(zip(keys, values))), namespace=_NAMESPACE,
     )  # fmt: skip
+
+
+def _node_like(x: Any) -> bool:
+    """Whether ``x`` is a mapping or a dataclass instance: a container ``_see`` may register."""
+    return isinstance(x, Mapping) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
 
 
 class MaskedNode(NamedTuple):
@@ -86,7 +101,7 @@ def check_tensor_leaves(tree: Any, root: str) -> bool:
     (``_see``); returns whether one was, so that the caller flattens ``tree`` again."""
     leaves, _ = flatten(tree)
     registered = False
-    while new := [leaf for leaf in leaves if isinstance(leaf, Mapping) and type(leaf) not in _MAPPINGS]:
+    while new := [leaf for leaf in leaves if _node_like(leaf) and type(leaf) not in _MAPPINGS]:
         for leaf in new:
             _see(leaf)
         registered = True
@@ -94,6 +109,12 @@ def check_tensor_leaves(tree: Any, root: str) -> bool:
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         return registered
     for path, leaf in zip(leaf_paths(tree, root), leaves):
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # a field its constructor does not take
+            raise NonTensorLeafError(
+                f"{path} is a {type(leaf).__name__}, a dataclass with a field its constructor does not take "
+                f"(field(init=False)), which fsg cannot rebuild; every leaf of {root} must be a torch.Tensor. "
+                f"Pass a dict, tuple or NamedTuple of its tensors instead."
+            )
         if isinstance(leaf, Mapping):  # not a dict, not rebuildable from one, or nested (only a whole batch is)
             raise NonTensorLeafError(
                 f"{path} is a {type(leaf).__name__}, a mapping fsg does not look into there; every leaf of {root} "
@@ -103,9 +124,9 @@ def check_tensor_leaves(tree: Any, root: str) -> bool:
         if not isinstance(leaf, torch.Tensor):
             raise NonTensorLeafError(
                 f"{path} is a {type(leaf).__name__} ({leaf!r:.60}), but every leaf of {root} must "
-                f"be a torch.Tensor: the step is traced once and replayed, so Python values would "
-                f"be frozen into the graph. Wrap it with torch.tensor(...), or make it static "
-                f"configuration closed over by loss_fn."
+                f"be a torch.Tensor (in dicts, lists, tuples, NamedTuples or dataclasses): the step is "
+                f"traced once and replayed, so Python values would be frozen into the graph. Wrap it "
+                f"with torch.tensor(...), or make it static configuration closed over by loss_fn."
             )
 
 

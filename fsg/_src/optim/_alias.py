@@ -99,7 +99,8 @@ def adamw(
     Args:
       learning_rate: a float or a schedule.
       b1, b2, eps: Adam's constants.
-      weight_decay: the decoupled decay coefficient.
+      weight_decay: the decoupled decay coefficient (default 1e-4, optax's; ``torch.optim.AdamW``'s
+        is 1e-2, which ``fsg.optim.from_torch`` carries over).
       mask: which params to decay (see ``add_decayed_weights``); all when ``None``.
       amsgrad: scale by the largest second moment so far (``scale_by_amsgrad``).
 
