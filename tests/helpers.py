@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -90,3 +93,20 @@ def steps_beside_eager(step, state, reference: nn.Module, opt, batches, eager_lo
 
 # "cpu", and "cuda" where there is a GPU (skipped elsewhere): for tests whose claim holds on both
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+def import_torchvision():
+    """``torchvision``, or ``None`` where it is not installed. Where its C++ library does not
+    load (the PyPI wheel, built against CUDA torch, under the CPU build of torch), its import
+    registers meta kernels for operators that do not exist and fails; the models use none of
+    them, so it is imported again without those registrations."""
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    except RuntimeError:  # "operator torchvision::nms does not exist"
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
+        import torchvision
+    return torchvision
