@@ -106,3 +106,35 @@ def test_resolve_fills_in_only_what_was_left_out():
     assert fsg.Policy().resolve({"w": torch.zeros(2, dtype=torch.complex128)})[:2] == (torch.float64, torch.float64)
     assert fsg.Policy(compute=torch.bfloat16).resolve(f64)[:2] == (torch.float64, torch.bfloat16)
     assert fsg.Policy(param=torch.float32).resolve(f64)[:2] == (torch.float32, torch.float32)
+
+
+def _pinn_residual(model_fn, x):
+    """A physics-informed loss: u'' = -sin(x) in the input, through autograd inside the loss."""
+    x = x.clone().requires_grad_(True)
+    du = torch.autograd.grad(model_fn(x).sum(), x, create_graph=True)[0]
+    d2u = torch.autograd.grad(du.sum(), x, create_graph=True)[0]
+    return ((d2u + torch.sin(x)) ** 2).mean() + (model_fn(torch.zeros(1, 1, dtype=x.dtype)) ** 2).mean()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_float64_physics_informed_loss_trains_as_eager(backend):
+    """Scientific code's float64 case: second derivatives in the input (double backward inside
+    the traced loss), 3 Adam steps equal to torch.optim.Adam to float64's precision."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    ref = copy.deepcopy(model)
+    step = fsg.compile_step(lambda p, b: _pinn_residual(lambda x: fsg.apply(model, p, x), b["x"]),
+                            optimizer=fsg.optim.adam(1e-3), backend=backend)  # fmt: skip
+    state = step.init(fsg.params(model))
+    opt = torch.optim.Adam(ref.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        batch = {"x": torch.rand(32, 1, generator=g, dtype=torch.float64) * 3}
+        state, metrics = step(state, batch)
+        opt.zero_grad()
+        loss = _pinn_residual(ref, batch["x"])
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-12, atol=1e-14)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-10, atol=1e-13, msg=name)
