@@ -27,7 +27,7 @@ import logging
 import sys
 from typing import Iterator
 
-from fsg._src.trace import stand_ins
+from fsg._src.trace import packed_sequences, stand_ins
 
 _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
@@ -35,11 +35,11 @@ _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Within: libraries' caches bypassed, torch's failed meta calls not logged (raised only),
-    and torch code a trace cannot run as written replaced (``stand_ins``)."""
+    and torch code a trace cannot run as written replaced (``stand_ins``, ``packed_sequences``)."""
     quiet = _MetaFailuresQuiet()
     _FAKE_TENSOR_LOG.addFilter(quiet)
     try:
-        with caches_bypassed(), stand_ins.traceable():
+        with caches_bypassed(), stand_ins.traceable(), packed_sequences.traceable():
             yield
     finally:
         _FAKE_TENSOR_LOG.removeFilter(quiet)
