@@ -289,3 +289,10 @@ def test_a_sync_batch_norm_over_a_subset_of_the_ranks_is_refused(ranks):
     for message in ranks(2).run(workers.sync_batch_norm_of_a_subgroup, {"dp": 2}):
         assert "SyncBatchNorm with a process_group of its own" in message and "process_group=None" in message
         assert "'1' (SyncBatchNorm)" in message
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_packed_sequences_on_a_data_mesh_match_unsharded(ranks, preset):
+    """pack_padded_sequence -> bidirectional LSTM -> pad_packed_sequence with the lengths
+    sharded with the batch (sorted across it: enforce_sorted=False)."""
+    ranks(2).run(workers.check_packed_sequences, {"dp": 2}, preset)

@@ -609,3 +609,41 @@ def save_plain(path: str, differ: bool) -> str | None:
     restored = fsg.checkpoint.restore(path, like={"x": torch.zeros(2, 3), "n": 0})
     assert torch.equal(restored["x"], x) and restored["n"] == 3
     return None
+
+
+# --- packed sequences with the batch sharded ------------------------------------------------
+
+
+class PackedClassifier(torch.nn.Module):
+    """An embedding, a packed bidirectional LSTM (``enforce_sorted=False``: the lengths sorted
+    across the batch) and a head on the last states; the loss adds the unpacked outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 8)
+        self.lstm = torch.nn.LSTM(8, 6, batch_first=True, bidirectional=True)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, ids, lengths, y):
+        from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+        packed = pack_padded_sequence(self.embed(ids), lengths, batch_first=True, enforce_sorted=False)
+        out, (h, _) = self.lstm(packed)
+        padded, lengths = pad_packed_sequence(out, batch_first=True, total_length=ids.shape[1])
+        logits = self.head(torch.cat([h[-2], h[-1]], -1))
+        return torch.nn.functional.cross_entropy(logits, y) + padded.square().sum() / lengths.sum()
+
+
+def check_packed_sequences(axes: dict, preset: str) -> None:
+    """``PackedClassifier`` with the batch and its lengths sharded: losses and params equal
+    the unsharded step's (``trace/packed_sequences.py``)."""
+    torch.manual_seed(0)
+    model = PackedClassifier()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"ids": torch.randint(1, 20, (8, 6), generator=g), "len": torch.randint(1, 7, (8,), generator=g),
+                "y": torch.randint(0, 3, (8,), generator=g)} for _ in range(3)]  # fmt: skip
+    fsg.testing.assert_sharded_matches_unsharded(
+        lambda p, b: fsg.apply(model, p, b["ids"], b["len"], b["y"]), fsg.params(model), batches,
+        fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1), param_sharding=preset_rules(preset),
+        batch_sharding=fsg.P("dp"), rtol=1e-5, atol=1e-6,
+    )  # fmt: skip
