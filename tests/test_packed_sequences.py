@@ -111,6 +111,10 @@ def test_a_packed_lstm_classifier_trains_as_eager_under_inductor(device):
     assert step.num_compiles == 1  # new lengths, the same graph
     for name, p in reference.named_parameters():
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    evaluate = fsg.compile_eval(lambda p, b: {"loss": loss(lambda *a: fsg.apply(model, p, *a), b)}, backend="eager")
+    with torch.no_grad():
+        expected = loss(reference.eval(), batch)
+    torch.testing.assert_close(evaluate(state, batch)["loss"], expected, rtol=1e-5, atol=1e-6)
 
 
 def _refused(loss_fn, match):
