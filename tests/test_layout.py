@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "fsg" / "_src"
 # themselves). kernels, optim, checkpoint and data are libraries: none imports another or any stage.
 LAYERS = [
     {"_torch_private", "errors", "checks", "tree", "version", "graph_facts", "decompositions"},
-    {"mesh", "rules", "train_state", "precision", "functional", "frozen", "recompute", "watch", "distributed", "topology"},
+    {"mesh", "rules", "train_state", "precision", "float8_config", "functional", "frozen", "recompute", "watch", "distributed", "topology"},
     {"kernels"},
     {"optim"},
     {"checkpoint"},
