@@ -103,15 +103,18 @@ def test_a_packed_lstm_classifier_trains_as_eager_under_inductor(device):
         lengths = torch.randint(1, 6, (6,), generator=g)
         ids = torch.randint(1, 20, (6, 5), generator=g) * (torch.arange(5) < lengths[:, None])
         batches.append({"ids": ids.to(device), "len": lengths.to(device), "y": torch.randint(0, 3, (6,), generator=g).to(device)})
-    state = steps_beside_eager(step, state, reference, opt, batches, loss)
+    # CUDA: eager runs cuDNN's LSTM (TF32 by default), fsg the cell step by step: 1.8e-5 apart
+    # in the loss on an H100 (2026-12-06)
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-3, atol=1e-4)
+    state = steps_beside_eager(step, state, reference, opt, batches, loss, **tol)
     batch = batches[-1]
     assert step.num_compiles == 1  # new lengths, the same graph
     for name, p in reference.named_parameters():
-        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(state.params[name], p.detach(), **({"rtol": 1e-4, "atol": 1e-5} if device == "cpu" else tol), msg=name)
     evaluate = fsg.compile_eval(lambda p, b: {"loss": loss(lambda *a: fsg.apply(model, p, *a), b)}, backend="eager")
     with torch.no_grad():
         expected = loss(reference.eval(), batch)
-    torch.testing.assert_close(evaluate(state, batch)["loss"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(evaluate(state, batch)["loss"], expected, **tol)
 
 
 def _refused(loss_fn, match):
