@@ -33,8 +33,9 @@ def _see(tree: Any) -> None:
         return
     _MAPPINGS.add(cls)
     if not isinstance(tree, Mapping):
-        names = [f.name for f in dataclasses.fields(tree)]
-        if all(f.init for f in dataclasses.fields(tree)):
+        fields = dataclasses.fields(tree)
+        names = [f.name for f in fields]
+        if all(f.init for f in fields):
             optree.register_pytree_node(
                 cls, lambda d: ([getattr(d, n) for n in names], names, names),
                 lambda keys, values, cls=cls: cls(**dict(zip(keys, values))), namespace=_NAMESPACE,
@@ -54,7 +55,11 @@ def _see(tree: Any) -> None:
 
 def _node_like(x: Any) -> bool:
     """Whether ``x`` is a mapping or a dataclass instance: a container ``_see`` may register."""
-    return isinstance(x, Mapping) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
+    return isinstance(x, Mapping) or _dataclass_instance(x)
+
+
+def _dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 class MaskedNode(NamedTuple):
@@ -109,7 +114,7 @@ def check_tensor_leaves(tree: Any, root: str) -> bool:
     if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
         return registered
     for path, leaf in zip(leaf_paths(tree, root), leaves):
-        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):  # a field its constructor does not take
+        if _dataclass_instance(leaf):  # registered unless a field is not its constructor's
             raise NonTensorLeafError(
                 f"{path} is a {type(leaf).__name__}, a dataclass with a field its constructor does not take "
                 f"(field(init=False)), which fsg cannot rebuild; every leaf of {root} must be a torch.Tensor. "
