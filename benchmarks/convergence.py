@@ -24,9 +24,9 @@ non-determinism, e.g. atomic adds in reductions):
   fsg-fp8*-fastgi, fsg-fp8*-fastall
                  the same with Float8(fast_accum=("forward", "grad_input")): the grad-inputs
                  accumulate fast too; -fastall: the grad-weights too
-  fsg-fp8-row*-ln
-                 the same with the layer norms (and their residual adds) in the FP8 cast kernels
-                 (float8_fuse.FUSE_LAYER_NORMS; e.g. fsg-fp8-row-fastgi-ln)
+  fsg-fp8-row*-noln
+                 the same with the layer norms (and their residual adds) left to Inductor, not in
+                 fsg's FP8 cast kernels (float8_fuse.FUSE_LAYER_NORMS off; -ln, the default)
   compile-fp8, compile-fp8-row, compile-fp8-row-gwhp
                  compile after torchao's convert_to_float8_training (needs torchao), recipe
                  "tensorwise", "rowwise" (every matmul FP8, as fsg-fp8-row-gw) or
@@ -164,8 +164,8 @@ def run(impl: str, args) -> dict:
     else:
         from fsg._src.passes import float8_fuse
 
-        float8_fuse.FUSE_LAYER_NORMS = impl.endswith("-ln")  # as benchmarks/gpt.py's -ln rows
-        impl = impl.removesuffix("-ln")
+        float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")  # as benchmarks/gpt.py's -noln rows
+        impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default since 2026-12-06
         matmul = float8_config(impl, {
             "fsg-fp8": fsg.Float8(),
             "fsg-fp8-row": fsg.Float8(recipe="rowwise"),

@@ -83,10 +83,10 @@ Implementations (--impl):
   any fsg-fp8 implementation + -fastgi   with Float8(fast_accum=("forward", "grad_input")):
             the grad-input matmuls accumulate in the tensor cores' fast accumulator too;
             + -fastall: the grad-weights too (e.g. fsg-fp8-row-gw-fastgi)
-  any fsg-fp8-row implementation + -ln   with FUSE_LAYER_NORMS on: each layer norm an FP8
-            matmul reads casts its output in its own kernel (fsg::layer_norm_fp8; a norm of a
-            residual add takes the add too, fsg::add_layer_norm_fp8), not Inductor's (e.g.
-            fsg-fp8-row-fastgi-ln; off by default: RESULTS.md, 2026-12-05)
+  any fsg-fp8-row implementation + -noln   with FUSE_LAYER_NORMS off: each layer norm an FP8
+            matmul reads normalized and cast by Inductor, not in fsg's kernel (fsg::layer_norm_fp8,
+            fsg::add_layer_norm_fp8 with the residual add: the default since 2026-12-06; the
+            older -ln suffix names the default; e.g. fsg-fp8-row-fastgi-noln)
   any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
             software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
             fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
@@ -206,8 +206,8 @@ def run_torch(impl: str, args) -> dict:
 
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
         impl = impl.removesuffix("-s3")
-        float8_fuse.FUSE_LAYER_NORMS = impl.endswith("-ln")
-        impl = impl.removesuffix("-ln")
+        float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")
+        impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default since 2026-12-06
         pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
         impl = impl.removesuffix("-catgrads")  # the rest of the configuration is the base's
         logits_loss = impl == "fsg-logits"

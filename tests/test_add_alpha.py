@@ -78,7 +78,12 @@ class _VectorQuantizer(nn.Module):
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_vq_vae_with_ema_codebook_trains_as_eager_under_inductor(device):
+def test_a_vq_vae_with_ema_codebook_trains_as_eager_under_inductor(device, request):
+    if device == "cpu" and torch.__version__ < "2.13":
+        request.applymarker(pytest.mark.xfail(
+            reason="torch 2.11's CPU Inductor: torch.compile of this model's eager step computes the same wrong "
+                   "first loss, 8.75872 against eager's 2.01752 (an H100 machine's CPU, 2026-12-06); passes on 2.13 "
+                   "and on CUDA", strict=False))  # fmt: skip
     torch.manual_seed(0)
     model = _VectorQuantizer().to(device)
     ref = copy.deepcopy(model)

@@ -455,3 +455,30 @@ def test_lr_scheduler_parts_reads_one_cycle_phases_and_sequential_parts():
     first, second = L.ConstantLR(optimizer, total_iters=2), L.StepLR(optimizer, 3)
     parts = _torch_private.lr_scheduler_parts(L.SequentialLR(optimizer, [first, second], milestones=[4]))
     assert parts["schedulers"] == [first, second] and parts["milestones"] == [4]
+
+
+def test_higher_order_operators_and_their_eager_compile_flag():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    assert isinstance(torch.ops.higher_order.flex_attention, _torch_private.HigherOrderOperator)
+    assert torch.ops.higher_order.flex_attention.name() == "flex_attention"
+    assert not isinstance(torch.ops.aten.mm.default, _torch_private.HigherOrderOperator)
+    assert not _torch_private.in_hop_compile()
+    seen = []
+
+    class Spy(_torch_private.TorchDispatchMode):  # flex_attention's eager call compiles its operator first
+        supports_higher_order_operators = True
+
+        @classmethod
+        def ignore_compile_internals(cls):
+            seen.append(_torch_private.in_hop_compile())
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 1, 128, 16)
+    mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, 128, 128, device="cpu")
+    with Spy():
+        flex_attention(q, q, q, block_mask=mask)
+    assert True in seen and not _torch_private.in_hop_compile()

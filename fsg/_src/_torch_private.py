@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 from torch._decomp import core_aten_decompositions, decomposition_table
-from torch._ops import OpOverload
+from torch._ops import HigherOrderOperator, OpOverload
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
@@ -27,10 +27,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsg._src import decompositions as fsg_decompositions
 
 __all__ = [  # fmt: skip
-    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "OpOverload",
-    "REDUCE_SCATTER", "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names", "buffer_storage",
-    "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
-    "fake_mode", "functionalize", "grad_hooks", "inductor_compile", "is_collective", "is_pure_op", "lr_scheduler_parts",
+    "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "HigherOrderOperator",
+    "OpOverload", "REDUCE_SCATTER", "TorchDispatchMode", "WAIT_TENSOR", "aliased_args", "all_decompositions", "arg_names",
+    "buffer_storage", "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
+    "fake_mode", "functionalize", "grad_hooks", "in_hop_compile", "inductor_compile", "is_collective", "is_pure_op", "lr_scheduler_parts",
     "mutated_args", "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
 ]
 
@@ -106,6 +106,11 @@ def lr_scheduler_parts(s: Any) -> dict[str, Any]:  # OneCycleLR's phases and ann
 # Mutation and aliasing from an op's schema (``Tensor(a!)`` written, ``Tensor(a) -> Tensor(a)`` a view,
 # ``Tensor(a -> *) -> Tensor(a)[]`` views); Python targets and higher-order ops have none: no facts.
 
+def in_hop_compile() -> bool:  # inside the torch.compile that runs a higher-order operator eagerly (flex_attention's)
+    from torch._higher_order_ops import utils
+    return bool(getattr(getattr(utils, "_hop_compile_tls", None), "in_hop_compile", False))
+
+
 def op_name(target: Any) -> str:
     """``"aten.mm"`` for an ``OpOverload`` (no overload); any other target's Python name."""
     if isinstance(target, OpOverload):
@@ -135,9 +140,8 @@ def return_names(target: Any) -> tuple[str, ...]:
 
 @functools.cache
 def draws_random(target: Any) -> bool:
-    """Whether an op may draw random numbers: tagged ``nondeterministic_seeded`` (``rand``,
-    ``native_dropout``, attention kernels with a ``dropout_p``) or taking a ``Generator``
-    argument (``random_``, ``binomial``)."""
+    """Whether an op may draw random numbers: tagged ``nondeterministic_seeded`` (``rand``, ``native_dropout``,
+    attention with a ``dropout_p``) or taking a ``Generator`` argument (``random_``, ``binomial``)."""
     if not isinstance(target, OpOverload):
         return False
     return torch.Tag.nondeterministic_seeded in target.tags or any("Generator" in str(a.type) for a in target._schema.arguments)

@@ -11,11 +11,8 @@ import fsg
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.xfail(reason="fails on an H100 (torch 2.11, 2026-12-06): fsg's random-key dispatch mode "
-                   "(trace/random.py, Keyed) has no rule for the flex_attention higher-order operator "
-                   "(NotImplementedError); a known failure to fix", strict=False)  # fmt: skip
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("mask", ["causal", "documents"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("mask", ["causal", "documents", "alibi"])
 def test_flex_attention_steps_as_eager(backend, mask):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -29,19 +26,28 @@ def test_flex_attention_steps_as_eager(backend, mask):
     block_mask = create_block_mask(keep, None, None, 256, 256, device="cuda")
 
     def loss_fn(params, x):
-        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        return flex_attention(q, k, v, block_mask=block_mask).square().mean()
+        weights = {"weight": params["weight"], "bias": params["bias"]}
+        q, k, v = torch.func.functional_call(lin, weights, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        slopes = params["slopes"]  # learned: its gradient comes through the score function
+
+        def alibi(s, b, h, q_idx, kv_idx):
+            return s - slopes[h] * (q_idx - kv_idx)
+
+        score_mod = alibi if mask == "alibi" else None
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).square().mean()
 
     x = torch.randn(2, 256, 64, device="cuda")
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend=backend)
-    state = step.init({k: v.detach() for k, v in lin.named_parameters()})
+    init = {k: v.detach() for k, v in lin.named_parameters()} | {"slopes": torch.linspace(0.1, 0.5, 4, device="cuda")}
+    state = step.init(init)
     before = {k: v.clone() for k, v in state.params.items()}
     state, metrics = step(state, x)
-    params = {k: v.detach().clone().requires_grad_() for k, v in lin.named_parameters()}
+    params = {k: v.clone().requires_grad_() for k, v in init.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
         want = loss_fn(params, x)
     want.backward()
     torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
     for k, p in params.items():
-        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5, msg=k)
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)  # slopes: read by the ALiBi case only
+        torch.testing.assert_close(before[k] - state.params[k], grad, rtol=1e-3, atol=1e-5, msg=k)

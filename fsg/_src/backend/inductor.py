@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.backend import add_alpha, column_sums, index_put, views
+from fsg._src.backend import add_alpha, column_sums, flex_attention, index_put, views
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -33,10 +33,16 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Callable[..., tuple]:
     happens on the first call.
     """
     check_backend(backend)
-    if backend == "eager":
-        return gm
     if backend == "inductor":
         return InductorStep(gm)
+    hops = sorted({n.target.name() for n in gm.graph.nodes if isinstance(n.target, _torch_private.HigherOrderOperator)})
+    if backend == "eager" or hops:  # Dynamo cannot trace a traced flex_attention again ("too many values to unpack")
+        if backend != "eager":
+            log.info("fsg: aot_eager runs the step graph op by op as traced (it calls %s)", ", ".join(hops))
+        if hops:
+            gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
+            flex_attention.captured_grads_when_run_eagerly(gm)
+        return gm
     return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
 
@@ -99,6 +105,8 @@ class InductorStep:
             log.info("fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)", rewritten)
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
             log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
+        if rewritten := flex_attention.own_buffers_for_cpu_flex_attention(gm):
+            log.info("fsg: stage 4: %d CPU flex_attention call(s) given own query, key and value buffers", rewritten)
         self._gm = gm
         # A step with collectives keeps its node order: the overlap pass placed each gradient
         # collective right after its last input, and Inductor's peak-memory reordering moved

@@ -58,12 +58,11 @@ OUTPUTS = {
 FUSE_PRODUCERS = True
 FUSED_PRODUCERS = frozenset(FUSED_OPS)
 # a rowwise operand a layer norm writes: the norm and its cast in one kernel (one read of the
-# norm's input). Off: measured on the H200 (RESULTS.md, 2026-12-05) 71.13-71.16 against 71.21 ms
-# at GPT-2 355M (fsg-fp8-row-fastgi-ln against -fastgi), 0.8 GiB lower peak; the residual add
-# Inductor fused into each norm becomes its own kernel (1.08 ms a step) until the kernel takes it
-FUSE_LAYER_NORMS = False
-# with FUSE_LAYER_NORMS, a norm of a residual add (``LN(x + r)``) takes the add in its kernel too
-# (``fsg::add_layer_norm_fp8``, which writes the sum): not measured on the H200 yet
+# norm's input), with the residual add it normalizes (``LN(x + r)``, ``fsg::add_layer_norm_fp8``,
+# which writes the sum too). On since 2026-12-06 (RESULTS.md): 355M 70.63-70.77 against 71.42 ms
+# on the H200, 1.3B 199.70-199.92 against 202.81 ms on an H100, 0.8-1.6 GiB lower peaks, and a
+# 500-step run within bf16's loss
+FUSE_LAYER_NORMS = True
 FUSE_RESIDUAL_ADDS = True
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)

@@ -98,8 +98,24 @@ def below(z: torch.Tensor, p: Any) -> torch.Tensor:
     return shr(z, 40).to(torch.promote_types(p.dtype, torch.float32)) * 2.0**-24 < p
 
 
+# Higher-order operators whose bodies draw no random numbers (attention score and mask functions,
+# user Triton kernels): ``Keyed`` lets them through. Any other is refused: a random op in its body
+# would draw from torch's generator, not from the keys.
+PASSED_HIGHER_ORDER_OPS = ("flex_attention", "flex_attention_backward", "triton_kernel_wrapper_functional",
+                           "triton_kernel_wrapper_mutation")  # fmt: skip
+
+
 class Keyed(_torch_private.TorchDispatchMode):
     """Rewrites random ops into keyed hashes of ``rng = [seed, counter]`` while tracing."""
+
+    supports_higher_order_operators = True  # FlexAttention's and Triton's operators come here
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch runs a higher-order operator called eagerly (flex_attention) through a torch.compile
+        # that skips a frame under any dispatch mode but those that say this; the operator it runs
+        # still comes here. Any other torch.compile in a loss runs eagerly under the trace, as before.
+        return _torch_private.in_hop_compile()
 
     def __init__(self, rng: torch.Tensor):
         super().__init__()
@@ -140,6 +156,15 @@ class Keyed(_torch_private.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if isinstance(func, _torch_private.HigherOrderOperator):
+            if func.name() in PASSED_HIGHER_ORDER_OPS:
+                return func(*args, **kwargs)  # this mode is off while it runs: its bodies trace as usual
+            where = purity.user_frame(traceback.extract_stack())
+            raise UnsupportedError(
+                f"the loss calls torch's higher-order operator {func.name()!r} at {where}; fsg traces only "
+                f"{', '.join(PASSED_HIGHER_ORDER_OPS)} among them (a random op inside another's body would "
+                f"not draw from state.rng). Write it as plain ops (torch.cond: torch.where of both branches)."
+            )
         impl = _IMPLS.get(func)
         if impl is None:
             if _torch_private.draws_random(func) and not _deterministic_here(func, args, kwargs):

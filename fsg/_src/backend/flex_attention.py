@@ -1,0 +1,77 @@
+"""FlexAttention on CPU: query, key and value in buffers of their own before Inductor.
+
+torch 2.11's CPU lowering of the ``flex_attention`` operator refuses query, key and value that
+are views of one buffer ("Unsupported for now if query, key, value are the same buffer",
+pytorch/pytorch#157612), which is what a fused qkv projection gives (``qkv.view(...).permute``
+then ``q, k, v = ...``); torch 2.13 compiles it. Copying only the key and the value is not
+enough: the CPU template reads the query's buffer as ``[B, H, T, D]`` and fails on a view of a
+2-D one (both versions). Stage 4 copies the query, key and value of each CPU FlexAttention
+call (three copies of ``[B, H, T, D]``, beside an attention that reads them T times over), so
+the step compiles on both. On CUDA the graph is left as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from fsg._src import _torch_private
+
+FLEX_ATTENTION = "flex_attention"
+
+
+def own_buffers_for_cpu_flex_attention(gm: fx.GraphModule) -> int:
+    """Rewrites ``gm`` in place: each CPU ``flex_attention`` reads copies of its query, key and value.
+    Returns how many calls were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        is_flex = isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION
+        if not is_flex or node.args[0].meta["val"].device.type != "cpu":
+            continue
+        with gm.graph.inserting_before(node):
+            copies = [gm.graph.call_function(torch.ops.aten.clone.default, (a,), {"memory_format": torch.contiguous_format})
+                      for a in node.args[:3]]  # fmt: skip
+        for copy, source in zip(copies, node.args[:3]):
+            copy.meta = dict(source.meta)
+        node.args = (*copies, *node.args[3:])
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+FLEX_ATTENTION_BACKWARD = "flex_attention_backward"
+_BUFFERS_ARG, _BUFFER_GRADS_OUT = 12, 3  # score_mod_other_buffers; the output tuple of their gradients
+
+
+def wanting_grad(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a leaf that requires grad: torch's eager ``flex_attention_backward`` computes the
+    gradient of a tensor its score function captured only for a tensor that requires grad."""
+    return t.detach().requires_grad_()
+
+
+def captured_grads_when_run_eagerly(gm: fx.GraphModule) -> int:
+    """Rewrites ``gm`` in place for running op by op: each ``flex_attention_backward`` whose graph
+    reads the gradient of a captured tensor (a learned bias in ``score_mod``) gets that tensor as a
+    leaf that requires grad. Traced, the gradient is there; run eagerly on tensors that require no
+    grad, torch returns ``None`` for it ("Expected a proper Tensor but got None"). Inductor's
+    lowering computes it either way. Returns how many tensors were marked."""
+    marked = 0
+    for node in list(gm.graph.nodes):
+        is_backward = isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION_BACKWARD
+        if not is_backward or len(node.args) <= _BUFFERS_ARG:
+            continue
+        grads = [u for u in node.users if u.target is operator.getitem and u.args[1] == _BUFFER_GRADS_OUT]
+        read = {g.args[1] for out in grads for g in out.users if g.target is operator.getitem}
+        buffers = list(node.args[_BUFFERS_ARG])
+        for i in sorted(read):
+            if isinstance(buffers[i], fx.Node):
+                with gm.graph.inserting_before(node):
+                    buffers[i] = gm.graph.call_function(wanting_grad, (buffers[i],))
+                marked += 1
+        node.args = (*node.args[:_BUFFERS_ARG], tuple(buffers), *node.args[_BUFFERS_ARG + 1 :])
+    if marked:
+        gm.recompile()
+    return marked

@@ -1,0 +1,67 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``) inside a traced function: the
+``flex_attention`` higher-order operator passes through fsg's random-key mode and is traced with
+its score and mask functions (tensors they capture included), under every backend. torch's CPU
+FlexAttention has no backward, so the CPU tests run evaluation steps; training steps are in
+``tests/gpu/test_flex_attention_cuda.py``."""
+
+import warnings
+
+import pytest
+import torch
+
+import fsg
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+T, H, D = 128, 4, 16
+
+
+def _setup(mask: str, score: str):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 3 * H * D)
+    document = torch.arange(T) // 48  # three packed documents
+    rules = {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "documents": lambda b, h, q, kv: (q >= kv) & (document[q] == document[kv]),
+        "window": lambda b, h, q, kv: (q >= kv) & (q - kv < 32),
+    }
+    block_mask = flex.create_block_mask(rules[mask], None, None, T, T, device="cpu")
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+    params["slopes"] = torch.linspace(0.1, 0.5, H)  # a learned ALiBi-like bias, read in score_mod
+
+    def loss_fn(params, x):
+        qkv = torch.func.functional_call(lin, {"weight": params["weight"], "bias": params["bias"]}, (x,))
+        q, k, v = qkv.view(2, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        slopes = params["slopes"]
+        mods = {
+            "none": None,
+            "alibi": lambda s, b, h, q_idx, kv_idx: s - slopes[h] * (q_idx - kv_idx),
+            "softcap": lambda s, b, h, q_idx, kv_idx: 20 * torch.tanh(s / 20),
+        }
+        return flex.flex_attention(q, k, v, score_mod=mods[score], block_mask=block_mask).square().mean()
+
+    return loss_fn, params, torch.randn(2, T, 64)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize(("mask", "score"), [("causal", "none"), ("documents", "alibi"), ("window", "softcap")])
+def test_an_evaluation_step_with_flex_attention_equals_eager(backend, mask, score):
+    loss_fn, params, x = _setup(mask, score)
+    ev = fsg.compile_eval(loss_fn, backend=backend)
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(params)
+    got = ev(state, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        want = loss_fn(params, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_cond_in_a_loss_is_refused_with_its_name():
+    def loss_fn(params, x):
+        y = x @ params["w"]
+        return torch.cond(y.sum() > 0, lambda t: t.square().mean(), lambda t: t.abs().mean(), (y,))
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
+    state = step.init({"w": torch.randn(4, 3)})
+    with pytest.raises(fsg.UnsupportedError, match="higher-order operator 'cond'.*torch.where"):
+        step(state, torch.randn(5, 4))
