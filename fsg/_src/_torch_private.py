@@ -142,18 +142,15 @@ def return_names(target: Any) -> tuple[str, ...]:
 def draws_random(target: Any) -> bool:
     """Whether an op may draw random numbers: tagged ``nondeterministic_seeded`` (``rand``, ``native_dropout``,
     attention with a ``dropout_p``) or taking a ``Generator`` argument (``random_``, ``binomial``)."""
-    if not isinstance(target, OpOverload):
-        return False
-    return torch.Tag.nondeterministic_seeded in target.tags or any("Generator" in str(a.type) for a in target._schema.arguments)
+    return isinstance(target, OpOverload) and (torch.Tag.nondeterministic_seeded in target.tags or
+                                               any("Generator" in str(a.type) for a in target._schema.arguments))  # fmt: skip
 
 
 @functools.cache
 def mutated_args(target: Any) -> frozenset[int]:
     """The indices of the schema arguments an op writes in place (``Tensor(a!)``, and lists of
     them: ``Tensor(a!)[]``); empty for a functional op or a non-``OpOverload`` target."""
-    if not isinstance(target, OpOverload):
-        return frozenset()
-    arguments = target._schema.arguments
+    arguments = target._schema.arguments if isinstance(target, OpOverload) else ()
     return frozenset(i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
@@ -205,9 +202,7 @@ def _wishart_bartlett(self: Any, sample_shape: Any = (), max_try_correction: Any
     return self._bartlett_sampling(torch.Size(sample_shape))  # singular: negligible unless df ~ p - 1
 
 
-def functionalize(
-    gm: torch.fx.GraphModule, decompositions: dict[Any, Callable[..., Any]] | None = None
-) -> torch.fx.GraphModule:
+def functionalize(gm: torch.fx.GraphModule, decompositions: dict[Any, Callable[..., Any]] | None = None) -> torch.fx.GraphModule:
     """``gm`` traced again through torch's functionalization: every in-place op becomes its
     out-of-place form and a write to an input one ``copy_`` into it at the end, so the only
     writes left are that epilogue. Views stay views; nodes keep their ``stack_trace``; nothing is
