@@ -72,15 +72,31 @@ def test_data_dependent_control_flow_names_the_line():
 
 def test_a_tensor_used_as_a_size_is_a_host_sync_error():
     # A size read from a tensor's value (packed RNN sequences, which did this, are traced now:
-    # tests/test_packed_sequences.py). The line is not named here: a follow-up.
+    # tests/test_packed_sequences.py); the error names the line.
     lin = torch.nn.Linear(4, 4)
 
     def loss_fn(params, batch):
         return fsg.apply(lin, params, batch["x"]).expand(batch["n"], -1, -1).square().mean()
 
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="aot_eager")
-    with pytest.raises(fsg.HostSyncError, match="needs the value of a tensor on the host"):
+    with pytest.raises(fsg.HostSyncError, match="needs the value of a tensor on the host") as info:
         step(step.init(fsg.params(lin)), {"x": torch.randn(3, 4), "n": torch.tensor(2)})
+    assert "test_errors.py" in str(info.value) and '.expand(batch["n"], -1, -1)' in str(info.value)
+
+
+def test_a_loss_typed_at_the_prompt_is_located_by_its_line():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fsg\n"
+        "def loss_fn(params, x):\n"
+        "    return (x @ params['w']).expand(x.sum().long(), -1, -1).mean()\n"
+        "step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend='eager')\n"
+        "step(step.init({'w': torch.ones(2, 2)}), torch.ones(3, 2))\n"
+    )
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=300)
+    assert 'HostSyncError' in out.stderr and 'File "<stdin>", line 3' in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,9 @@ def user_frame(frames: list[traceback.FrameSummary]) -> str:
     for frame in reversed(frames):
         if _is_user_file(frame.filename):
             return f'File "{frame.filename}", line {frame.lineno}: {(frame.line or "").strip()}'
+    for frame in reversed(frames):  # code typed at the prompt or in an old IPython cell: no file, a line number
+        if frame.filename == "<stdin>" or frame.filename.startswith("<ipython-input"):
+            return f'File "{frame.filename}", line {frame.lineno}'
     return "(source line unknown)"
 
 
