@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from typing import Iterator
 
 from fsg._src.trace import packed_sequences, stand_ins
@@ -35,11 +36,13 @@ _FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Within: libraries' caches bypassed, torch's failed meta calls not logged (raised only),
-    and torch code a trace cannot run as written replaced (``stand_ins``, ``packed_sequences``)."""
+    torch code a trace cannot run as written replaced (``stand_ins``, ``packed_sequences``), and
+    FlexAttention's advice to compile it not shown (the step compiles it)."""
     quiet = _MetaFailuresQuiet()
     _FAKE_TENSOR_LOG.addFilter(quiet)
     try:
-        with caches_bypassed(), stand_ins.traceable(), packed_sequences.traceable():
+        with caches_bypassed(), stand_ins.traceable(), packed_sequences.traceable(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             yield
     finally:
         _FAKE_TENSOR_LOG.removeFilter(quiet)
