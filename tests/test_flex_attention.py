@@ -65,3 +65,23 @@ def test_torch_cond_in_a_loss_is_refused_with_its_name():
     state = step.init({"w": torch.randn(4, 3)})
     with pytest.raises(fsg.UnsupportedError, match="higher-order operator 'cond'.*torch.where"):
         step(state, torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_hugging_face_model_with_flex_attention_evaluates_as_eager(backend):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg._attn_implementation = "flex_attention"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 32))
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
+    got = fsg.compile_eval(loss_fn, backend=backend)(state, ids)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -51,3 +51,28 @@ def test_flex_attention_steps_as_eager(backend, mask):
     for k, p in params.items():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)  # slopes: read by the ALiBi case only
         torch.testing.assert_close(before[k] - state.params[k], grad, rtol=1e-3, atol=1e-5, msg=k)
+
+
+def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    cfg._attn_implementation = "flex_attention"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda()
+    ids = torch.randint(0, 100, (2, 128), device="cuda")
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
+    state = step.init(fsg.params(model))
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, metrics = step(state, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
