@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fsg
+from tests.dist.flex_workers import flex_op
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -85,3 +86,59 @@ def test_a_hugging_face_model_with_flex_attention_evaluates_as_eager(backend):
     with torch.no_grad():
         want = model(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_models_with_flex_attention_compile_one_after_the_other():
+    """torch's automatic dynamic shapes had given the second model's score and mask functions
+    symbolic sizes (FlexAttention's inner torch.compile saw new sizes), which Inductor refused:
+    "A subgraph argument other than striding has been modified"."""
+    x = torch.randn(2, T, 64)
+    for n, dtype in ((T, torch.int64), (16, torch.float32)):
+        torch.manual_seed(n)
+        lin = torch.nn.Linear(64, 3 * H * D)
+        captured = torch.arange(n, dtype=dtype)
+        block_mask = flex.create_block_mask(lambda b, h, q, kv, c=captured, n=n: (q >= kv) & (c[q % n] >= 0),
+                                            None, None, T, T, device="cpu")  # fmt: skip
+
+        def loss_fn(params, x, lin=lin, block_mask=block_mask):
+            q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, T, 3, H, D).permute(2, 0, 3, 1, 4)
+            return flex.flex_attention(q, k, v, block_mask=block_mask).square().mean()
+
+        params = {k: v.detach() for k, v in lin.named_parameters()}
+        state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = loss_fn(params, x)
+        torch.testing.assert_close(fsg.compile_eval(loss_fn, backend="inductor")(state, x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_step_through_the_flex_attention_backward_equals_finite_differences(backend):
+    """The operator's backward in a traced step (CPU; Inductor has no CPU lowering of it): the
+    slopes' gradient, which comes through the score function's captured buffer, equals central
+    finite differences, and every parameter's update equals eager autograd's."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 3 * H * D)
+    block_mask = flex.create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cpu")
+
+    def loss_fn(params, x):
+        weights = {"weight": params["weight"], "bias": params["bias"]}
+        q, k, v = torch.func.functional_call(lin, weights, (x,)).view(2, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        return flex_op(q, k, v, params["slopes"], block_mask).square().mean()
+
+    init = {k: v.detach() for k, v in lin.named_parameters()} | {"slopes": torch.linspace(0.1, 0.5, H)}
+    x = torch.randn(2, T, 64)
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend=backend)
+    state = step.init(init)
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, _ = step(state, x)
+    params = {k: v.clone().requires_grad_() for k, v in init.items()}
+    loss_fn(params, x).backward()
+    for k, p in params.items():
+        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-4, atol=1e-7, msg=k)
+    with torch.no_grad():
+        for h in range(H):
+            e = torch.zeros(H)
+            e[h] = 1e-2
+            up, down = (loss_fn(init | {"slopes": init["slopes"] + s * e}, x) for s in (1, -1))
+            torch.testing.assert_close((before["slopes"] - state.params["slopes"])[h], (up - down) / 2e-2, rtol=2e-2, atol=1e-5)

@@ -177,7 +177,8 @@ def trace_fake(fn: Callable[..., Any], *args: torch.Tensor, source_lines: bool =
     time). Under ``_traceable``; ``torch.compile``d code traces as the Python it wraps."""
     table = {**(decompositions or {}), **fsg_decompositions.CORRECTIONS, **fsg_decompositions.DECLARED_WRITES}
     options = {"tracing_mode": "fake", "_allow_non_fake_inputs": True, "record_stack_traces": source_lines}
-    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), _traceable():
+    # flex_attention's inner torch.compile with static shapes (automatic dynamic ones broke a second model's)
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False, automatic_dynamic_shapes=False), _traceable():
         return make_fx(fn, decomposition_table=table, **options)(*args)
 
 

@@ -22,13 +22,25 @@ from fsg._src import _torch_private
 FLEX_ATTENTION = "flex_attention"
 
 
+def has_cpu_flex_attention(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls FlexAttention on CPU tensors. Inductor then compiles it with no
+    epilogue fusion: its scheduler fuses a same-index pointwise consumer (a copy into other
+    strides, which the sharded graph writes after a replicated call) into the CPU FlexAttention
+    template, whose code generation refuses any ("Unsupported for `epilogue_nodes` in
+    CppFlexAttentionTemplate", torch 2.13)."""
+    return any(_is_flex(n) and n.args[0].meta["val"].device.type == "cpu" for n in gm.graph.nodes)
+
+
+def _is_flex(node: fx.Node) -> bool:
+    return isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION
+
+
 def own_buffers_for_cpu_flex_attention(gm: fx.GraphModule) -> int:
     """Rewrites ``gm`` in place: each CPU ``flex_attention`` reads copies of its query, key and value.
     Returns how many calls were rewritten."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        is_flex = isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION
-        if not is_flex or node.args[0].meta["val"].device.type != "cpu":
+        if not _is_flex(node) or node.args[0].meta["val"].device.type != "cpu":
             continue
         with gm.graph.inserting_before(node):
             copies = [gm.graph.call_function(torch.ops.aten.clone.default, (a,), {"memory_format": torch.contiguous_format})

@@ -112,7 +112,10 @@ class InductorStep:
         # collective right after its last input, and Inductor's peak-memory reordering moved
         # them all after the backward on two H200s (no overlap; benchmarks/RESULTS.md).
         has_collectives = any(_torch_private.is_collective(n.target) for n in gm.graph.nodes)
-        self._options = {"config_patches": {"reorder_for_peak_memory": False}} if has_collectives else None
+        patches = {"reorder_for_peak_memory": False} if has_collectives else {}
+        if flex_attention.has_cpu_flex_attention(gm):
+            patches["epilogue_fusion"] = False
+        self._options = {"config_patches": patches} if patches else None
         self._compiled: dict[tuple, Callable[..., Any]] = {}
         self._last: tuple[tuple, Callable[..., Any]] | None = None
 

@@ -191,16 +191,21 @@ def covers_mesh(result: Any, ndim: int) -> bool:
     return all(len(leaf.placements) == ndim for leaf in tree.flatten(result)[0] if isinstance(leaf, DTensor))
 
 
+# FlexAttention's operators: functional, no random numbers, no rule in DTensor
+FLEX_ATTENTION_OPS = frozenset({"flex_attention", "flex_attention_backward"})
+
+
 def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any, like: Any = None) -> Any:
     """``target`` run by each rank on the whole of its inputs (every DTensor gathered), its
     tensor results replicated DTensors: the global op, on every rank, without DTensor's rule.
     ``None`` where that may not be the global op: an op that writes its inputs, draws random
     numbers (each rank would draw its own), or is not an ATen op (a custom op's rule that
     refuses whole inputs is taken at its word; ``prims`` ops, which torch 2.11's decompositions
-    of ``flip``, ``var``, ``prod``... produce, are torch's own). ``like``, the values the global trace saw
+    of ``flip``, ``var``, ``prod``... produce, are torch's own; FlexAttention's are run too). ``like``, the values the global trace saw
     (the node's ``meta["val"]``), gives each result its strides: gathered inputs are
     contiguous where the global ones were not, and a later ``view`` may rely on the layout."""
-    if not _torch_private.is_pure_op(target) or target.namespace not in ("aten", "prims"):
+    is_flex = isinstance(target, _torch_private.HigherOrderOperator) and target.name() in FLEX_ATTENTION_OPS
+    if not is_flex and (not _torch_private.is_pure_op(target) or target.namespace not in ("aten", "prims")):
         return None
     if _torch_private.draws_random(target):
         return None

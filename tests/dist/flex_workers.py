@@ -1,0 +1,90 @@
+"""Rank functions for tests/dist/test_flex_attention.py (spawn-importable)."""
+
+import torch
+
+import fsg
+import fsg.testing
+from fsg._src import tree
+from tests.dist.workers import preset_rules
+
+T, H, D = 64, 4, 8
+
+
+def flex_op(q, k, v, slopes, block_mask):
+    """torch's ``flex_attention`` operator called directly, an ALiBi score function reading
+    ``slopes`` as a declared buffer: what ``flex_attention`` calls, without its refusal of a
+    backward on CPU, so that CPU tests can train through the operator's backward."""
+
+    def alibi(s, b, h, i, j, slopes):
+        return s - slopes[h] * (i - j)
+
+    options = {"BACKEND": "AUTO", "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False, "BLOCKS_ARE_CONTIGUOUS": False,
+               "WRITE_DQ": True, "OUTPUT_LOGSUMEXP": True, "OUTPUT_MAX": False}  # fmt: skip
+    scale = q.shape[-1] ** -0.5
+    out, _, _ = torch.ops.higher_order.flex_attention(q, k, v, alibi, block_mask.as_tuple(), scale, options, (slopes,), ())
+    return out
+
+
+class FlexBlock(torch.nn.Module):
+    """A fused qkv projection, FlexAttention with a sliding causal window and an ALiBi score
+    function on learned slopes, an output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(32, 3 * H * D), torch.nn.Linear(H * D, 32)
+        self.slopes = torch.nn.Parameter(torch.linspace(0.1, 0.5, H))
+
+    def forward(self, x, train=False):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        b = x.shape[0]
+        q, k, v = self.qkv(x).view(b, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        mask = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < 24), None, None, T, T, device=x.device)
+        slopes = self.slopes
+
+        def alibi(s, b, h, i, j):
+            return s - slopes[h] * (i - j)
+
+        # training on CPU calls the operator itself (flex_attention refuses a CPU backward)
+        y = flex_op(q, k, v, slopes, mask) if train else flex_attention(q, k, v, score_mod=alibi, block_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(b, T, H * D))
+
+
+def check_flex_attention_eval(axes: dict, preset: str, backend: str) -> None:
+    """An evaluation step with FlexAttention on a mesh (batch sharded on dp; heads on tp where
+    the preset shards the projections) equals the unsharded one (CPU: FlexAttention has no
+    backward there, so no training step)."""
+    torch.manual_seed(0)
+    model = FlexBlock()
+
+    def metrics(params, x):
+        out = fsg.apply(model, params, x)
+        return {"loss": out.square().mean(), "out": out}
+
+    mesh = fsg.testing.mesh(axes)
+    rules = preset_rules(preset)
+    step = fsg.compile_step(lambda p, x: metrics(p, x)["loss"], mesh, optimizer=fsg.optim.sgd(0.1),
+                            param_sharding=rules, backend="eager")  # fmt: skip
+    state = step.init(fsg.params(model))
+    x = torch.randn(4, T, 32, generator=torch.Generator().manual_seed(1))
+    got = fsg.compile_eval(metrics, mesh, param_sharding=rules, backend=backend)(state, x)
+    whole = tree.tree_map(lambda t: t.full_tensor(), state)
+    want = fsg.compile_eval(metrics, backend="eager")(whole, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def check_flex_attention_training(axes: dict, preset: str) -> None:
+    """Training steps through FlexAttention's backward on a mesh (its operator, run on gathered
+    inputs: DTensor has no rule for it) equal the unsharded steps: the learned slopes' gradient
+    comes through the score function's captured buffer. SGD: the key bias's gradient is zero up
+    to rounding (softmax ignores a constant per query), which Adam would scale to full steps."""
+    torch.manual_seed(0)
+    model = FlexBlock()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(4, T, 32, generator=g) for _ in range(2)]
+    fsg.testing.assert_sharded_matches_unsharded(
+        lambda p, x: fsg.apply(model, p, x, train=True).square().mean(), fsg.params(model), batches,
+        fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1), param_sharding=preset_rules(preset),
+        batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(), rtol=1e-5, atol=1e-6, backend="aot_eager",
+    )  # fmt: skip
