@@ -68,14 +68,19 @@ def test_torch_cond_in_a_loss_is_refused_with_its_name():
         step(state, torch.randn(5, 4))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_a_hugging_face_model_with_flex_attention_evaluates_as_eager(backend):
+def flex_llama(positions: int) -> torch.nn.Module:
+    """A small Hugging Face Llama with ``attn_implementation="flex_attention"``."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)  # fmt: skip
     cfg._attn_implementation = "flex_attention"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_hugging_face_model_with_flex_attention_evaluates_as_eager(backend):
+    model = flex_llama(64).eval()
     ids = torch.randint(0, 100, (2, 32))
 
     def loss_fn(params, ids):

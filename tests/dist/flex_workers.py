@@ -1,5 +1,7 @@
 """Rank functions for tests/dist/test_flex_attention.py (spawn-importable)."""
 
+import warnings
+
 import torch
 
 import fsg
@@ -29,8 +31,14 @@ class FlexBlock(torch.nn.Module):
     """A fused qkv projection, FlexAttention with a sliding causal window and an ALiBi score
     function on learned slopes, an output projection."""
 
-    def __init__(self):
+    def __init__(self, per_sequence: bool = False):
         super().__init__()
+        self.per_sequence = per_sequence  # a mask of each sequence's own length: reads the batch index
+        if per_sequence:  # made once, outside the step (built inside, its CPU Inductor code did not compile)
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            lengths = torch.tensor([64, 40, 64, 20])
+            self.mask = create_block_mask(lambda b, h, i, j: (i >= j) & (j < lengths[b]), 4, None, T, T, device="cpu")
         self.qkv, self.proj = torch.nn.Linear(32, 3 * H * D), torch.nn.Linear(H * D, 32)
         self.slopes = torch.nn.Parameter(torch.linspace(0.1, 0.5, H))
 
@@ -39,7 +47,10 @@ class FlexBlock(torch.nn.Module):
 
         b = x.shape[0]
         q, k, v = self.qkv(x).view(b, T, 3, H, D).permute(2, 0, 3, 1, 4)
-        mask = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < 24), None, None, T, T, device=x.device)
+        if self.per_sequence:
+            mask = self.mask
+        else:
+            mask = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < 24), None, None, T, T, device=x.device)
         slopes = self.slopes
 
         def alibi(s, b, h, i, j):
@@ -50,12 +61,21 @@ class FlexBlock(torch.nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, T, H * D))
 
 
-def check_flex_attention_eval(axes: dict, preset: str, backend: str) -> None:
+def _runs_local(axes: dict, per_sequence: bool) -> bool:  # batch_local's conditions, for this block
+    return "dp" in axes and not per_sequence
+
+
+def _check_fallbacks(caught: list, axes: dict, per_sequence: bool) -> None:
+    replicated = [w for w in caught if issubclass(w.category, fsg.ShardingFallbackWarning) and "flex_attention" in str(w.message)]
+    assert bool(replicated) != _runs_local(axes, per_sequence), [str(w.message)[:200] for w in replicated]
+
+
+def check_flex_attention_eval(axes: dict, preset: str, backend: str, per_sequence: bool) -> None:
     """An evaluation step with FlexAttention on a mesh (batch sharded on dp; heads on tp where
-    the preset shards the projections) equals the unsharded one (CPU: FlexAttention has no
-    backward there, so no training step)."""
+    the preset shards the projections) equals the unsharded one; a batch-sharded attention
+    runs on each rank's sequences (no fallback) unless its mask reads the batch index."""
     torch.manual_seed(0)
-    model = FlexBlock()
+    model = FlexBlock(per_sequence)
 
     def metrics(params, x):
         out = fsg.apply(model, params, x)
@@ -67,22 +87,32 @@ def check_flex_attention_eval(axes: dict, preset: str, backend: str) -> None:
                             param_sharding=rules, backend="eager")  # fmt: skip
     state = step.init(fsg.params(model))
     x = torch.randn(4, T, 32, generator=torch.Generator().manual_seed(1))
-    got = fsg.compile_eval(metrics, mesh, param_sharding=rules, backend=backend)(state, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fsg.compile_eval(metrics, mesh, param_sharding=rules, backend=backend)(state, x)
+    _check_fallbacks(caught, axes, per_sequence)
     whole = tree.tree_map(lambda t: t.full_tensor(), state)
     want = fsg.compile_eval(metrics, backend="eager")(whole, x)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def check_flex_attention_training(axes: dict, preset: str) -> None:
+def check_flex_attention_training(axes: dict, preset: str, per_sequence: bool) -> None:
     """Training steps through FlexAttention's backward on a mesh (its operator, run on gathered
     inputs: DTensor has no rule for it) equal the unsharded steps: the learned slopes' gradient
     comes through the score function's captured buffer. SGD: the key bias's gradient is zero up
     to rounding (softmax ignores a constant per query), which Adam would scale to full steps."""
     torch.manual_seed(0)
-    model = FlexBlock()
+    model = FlexBlock(per_sequence)
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(4, T, 32, generator=g) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, batches, axes, preset)
+    _check_fallbacks(caught, axes, per_sequence)
+
+
+def _train(model: FlexBlock, batches: list, axes: dict, preset: str) -> None:
     fsg.testing.assert_sharded_matches_unsharded(
         lambda p, x: fsg.apply(model, p, x, train=True).square().mean(), fsg.params(model), batches,
         fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1), param_sharding=preset_rules(preset),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fsg
+from tests.test_flex_attention import flex_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -54,12 +55,7 @@ def test_flex_attention_steps_as_eager(backend, mask):
 
 
 def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-    cfg._attn_implementation = "flex_attention"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).cuda()
+    model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
 
     def loss_fn(params, ids):

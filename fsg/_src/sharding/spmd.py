@@ -30,7 +30,7 @@ from fsg._src import _torch_private, tree
 from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
-from fsg._src.sharding import op_support
+from fsg._src.sharding import flex_attention, op_support
 from fsg._src.trace import libraries, markers, purity
 from fsg._src.trace.tracing import TracedStep
 
@@ -154,6 +154,8 @@ class _Expander(fx.Interpreter):
         args = op_support.index_put_args(target, args, mesh.device_mesh)
         if target in op_support.SCANS and isinstance(args[0], DTensor):
             args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
+        if (local := flex_attention.batch_local(target, args, kwargs, mesh.device_mesh)) is not None:
+            return local  # a batch-sharded FlexAttention, each rank its own sequences
         leaves, _ = tree.flatten((args, kwargs))
         if any(isinstance(a, DTensor) for a in leaves) and not _has_rule(target):
             # rule 4: never DTensor's run-time derivation from the op's decomposition, which
@@ -239,12 +241,8 @@ def expand(
     replicate = tuple(Replicate() for _ in mesh.shape)
 
     def local_step(*locals_):
-        dtensors = [
-            DTensor.from_local(
-                t, mesh.device_mesh, pl, run_check=False, shape=torch.Size(s), stride=_contiguous_stride(s)
-            )
-            for t, pl, s in zip(locals_, placements, shapes)
-        ]
+        dtensors = [DTensor.from_local(t, mesh.device_mesh, pl, run_check=False, shape=torch.Size(s),
+                                       stride=_contiguous_stride(s)) for t, pl, s in zip(locals_, placements, shapes)]  # fmt: skip
         outputs = _Expander(traced.graph_module, plan, mark_grads, reduce_dtype).run(*dtensors)
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
