@@ -1,5 +1,5 @@
 """FlexAttention on a mesh: evaluation and training steps equal the unsharded ones, on 2 gloo
-ranks; a batch-sharded attention whose masks do not read the batch index stays local."""
+ranks; an attention sharded on batch or heads whose functions read no sharded index stays local."""
 
 import pytest
 
@@ -8,14 +8,14 @@ from tests.dist import flex_workers
 MESHES = [({"dp": 2}, "dp"), ({"dp": 2}, "fsdp"), ({"tp": 2}, "tp")]
 
 
-@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("variant", ["alibi", "per_sequence", "heads"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize(("axes", "preset"), MESHES)
-def test_flex_attention_evaluates_on_a_mesh_as_unsharded(ranks, axes, preset, backend, per_sequence):
-    ranks(2).run(flex_workers.check_flex_attention_eval, axes, preset, backend, per_sequence)
+def test_flex_attention_evaluates_on_a_mesh_as_unsharded(ranks, axes, preset, backend, variant):
+    ranks(2).run(flex_workers.check_flex_attention_eval, axes, preset, backend, variant)
 
 
-@pytest.mark.parametrize("per_sequence", [False, True])
+@pytest.mark.parametrize("variant", ["alibi", "per_sequence", "heads"])
 @pytest.mark.parametrize(("axes", "preset"), MESHES)
-def test_flex_attention_trains_on_a_mesh_as_unsharded(ranks, axes, preset, per_sequence):
-    ranks(2).run(flex_workers.check_flex_attention_training, axes, preset, per_sequence)
+def test_flex_attention_trains_on_a_mesh_as_unsharded(ranks, axes, preset, variant):
+    ranks(2).run(flex_workers.check_flex_attention_training, axes, preset, variant)

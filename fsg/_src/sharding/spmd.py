@@ -154,8 +154,8 @@ class _Expander(fx.Interpreter):
         args = op_support.index_put_args(target, args, mesh.device_mesh)
         if target in op_support.SCANS and isinstance(args[0], DTensor):
             args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
-        if (local := flex_attention.batch_local(target, args, kwargs, mesh.device_mesh)) is not None:
-            return local  # a batch-sharded FlexAttention, each rank its own sequences
+        if (local := flex_attention.run_local(target, args, kwargs, mesh.device_mesh)) is not None:
+            return local  # a FlexAttention sharded on batch or heads, each rank its own
         leaves, _ = tree.flatten((args, kwargs))
         if any(isinstance(a, DTensor) for a in leaves) and not _has_rule(target):
             # rule 4: never DTensor's run-time derivation from the op's decomposition, which
