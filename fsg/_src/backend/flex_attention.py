@@ -1,13 +1,16 @@
-"""FlexAttention on CPU: query, key and value in buffers of their own before Inductor.
+"""FlexAttention's operators in stage 4: what each backend needs of them.
 
-torch 2.11's CPU lowering of the ``flex_attention`` operator refuses query, key and value that
-are views of one buffer ("Unsupported for now if query, key, value are the same buffer",
-pytorch/pytorch#157612), which is what a fused qkv projection gives (``qkv.view(...).permute``
-then ``q, k, v = ...``); torch 2.13 compiles it. Copying only the key and the value is not
-enough: the CPU template reads the query's buffer as ``[B, H, T, D]`` and fails on a view of a
-2-D one (both versions). Stage 4 copies the query, key and value of each CPU FlexAttention
-call (three copies of ``[B, H, T, D]``, beside an attention that reads them T times over), so
-the step compiles on both. On CUDA the graph is left as it is.
+- On CPU, query, key and value in buffers of their own before Inductor: torch 2.11's CPU
+  lowering of ``flex_attention`` refuses query, key and value that are views of one buffer
+  ("Unsupported for now if query, key, value are the same buffer", pytorch/pytorch#157612),
+  which is what a fused qkv projection gives (``qkv.view(...).permute`` then ``q, k, v = ...``);
+  torch 2.13 compiles it. Copying only the key and the value is not enough: the CPU template
+  reads the query's buffer as ``[B, H, T, D]`` and fails on a view of a 2-D one (both
+  versions). So each CPU call reads three copies of ``[B, H, T, D]`` (beside an attention that
+  reads them T times over). On CUDA the graph is left as it is.
+- On CPU, Inductor without epilogue fusion (``has_cpu_flex_attention``).
+- Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
+  require grad (``captured_grads_when_run_eagerly``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ def has_cpu_flex_attention(gm: fx.GraphModule) -> bool:
     return any(_is_flex(n) and n.args[0].meta["val"].device.type == "cpu" for n in gm.graph.nodes)
 
 
-def _is_flex(node: fx.Node) -> bool:
-    return isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION
+def _is_flex(node: fx.Node, name: str = FLEX_ATTENTION) -> bool:
+    return isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == name
 
 
 def own_buffers_for_cpu_flex_attention(gm: fx.GraphModule) -> int:
@@ -72,8 +75,7 @@ def captured_grads_when_run_eagerly(gm: fx.GraphModule) -> int:
     lowering computes it either way. Returns how many tensors were marked."""
     marked = 0
     for node in list(gm.graph.nodes):
-        is_backward = isinstance(node.target, _torch_private.HigherOrderOperator) and node.target.name() == FLEX_ATTENTION_BACKWARD
-        if not is_backward or len(node.args) <= _BUFFERS_ARG:
+        if not _is_flex(node, FLEX_ATTENTION_BACKWARD) or len(node.args) <= _BUFFERS_ARG:
             continue
         grads = [u for u in node.users if u.target is operator.getitem and u.args[1] == _BUFFER_GRADS_OUT]
         read = {g.args[1] for out in grads for g in out.users if g.target is operator.getitem}
