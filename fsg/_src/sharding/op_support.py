@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsg._src import _torch_private, tree
 from fsg._src.errors import ShardingRuleError
+from fsg._src.sharding import flex_attention
 
 _aten = torch.ops.aten
 
@@ -191,10 +192,6 @@ def covers_mesh(result: Any, ndim: int) -> bool:
     return all(len(leaf.placements) == ndim for leaf in tree.flatten(result)[0] if isinstance(leaf, DTensor))
 
 
-# FlexAttention's operators: functional, no random numbers, no rule in DTensor
-FLEX_ATTENTION_OPS = frozenset({"flex_attention", "flex_attention_backward"})
-
-
 def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any, like: Any = None) -> Any:
     """``target`` run by each rank on the whole of its inputs (every DTensor gathered), its
     tensor results replicated DTensors: the global op, on every rank, without DTensor's rule.
@@ -204,8 +201,7 @@ def run_replicated(target: Any, args: tuple, kwargs: dict, device_mesh: Any, lik
     of ``flip``, ``var``, ``prod``... produce, are torch's own; FlexAttention's are run too). ``like``, the values the global trace saw
     (the node's ``meta["val"]``), gives each result its strides: gathered inputs are
     contiguous where the global ones were not, and a later ``view`` may rely on the layout."""
-    is_flex = isinstance(target, _torch_private.HigherOrderOperator) and target.name() in FLEX_ATTENTION_OPS
-    if not is_flex and (not _torch_private.is_pure_op(target) or target.namespace not in ("aten", "prims")):
+    if not flex_attention.is_flex(target) and (not _torch_private.is_pure_op(target) or target.namespace not in ("aten", "prims")):
         return None
     if _torch_private.draws_random(target):
         return None
