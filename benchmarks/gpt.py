@@ -87,6 +87,9 @@ Implementations (--impl):
             matmul reads normalized and cast by Inductor, not in fsg's kernel (fsg::layer_norm_fp8,
             fsg::add_layer_norm_fp8 with the residual add: the default since 2026-12-06; the
             older -ln suffix names the default; e.g. fsg-fp8-row-fastgi-noln)
+  any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
+            kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
+            attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
   any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
             software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
             fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
@@ -204,6 +207,8 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.kernels import float8_cast_kernel
         from fsg._src.passes import float8_fuse, pack_attention_grads
 
+        keep_attn_proj = impl.endswith("-bf16proj")
+        impl = impl.removesuffix("-bf16proj")
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
         impl = impl.removesuffix("-s3")
         float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")
@@ -239,26 +244,25 @@ def run_torch(impl: str, args) -> dict:
         if impl == "fsg-muon":
             hidden = lambda p: {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "adamw" for k, v in p.items()}  # noqa: E731
             adamw = fsg.optim.multi_transform({"muon": fsg.optim.muon(MUON_LR, weight_decay=WD), "adamw": adamw}, hidden)
+        matmul = float8_config(impl, {
+            "fsg-fp8": fsg.Float8(),
+            "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-nocolsum": fsg.Float8(recipe="rowwise"),
+            "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+            "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+            "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+            "fsg-fp8-row-gw-colamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+            "fsg-fp8-row-gw-nocolamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
+        })  # fmt: skip
+        if keep_attn_proj and matmul is not None:  # the attention's output projection in bf16
+            matmul = fsg.Float8(**{**matmul._asdict(), "filter": lambda name: ".attn.proj." not in name})
         fstep = fsg.compile_step(
             loss_fn,
             optimizer=adamw,
-            precision=fsg.Policy(
-                compute=torch.bfloat16,
-                autocast=impl == "fsg-autocast",
-                matmul=float8_config(impl, {
-                    "fsg-fp8": fsg.Float8(),
-                    "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
-                    "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
-                    "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
-                    "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
-                    "fsg-fp8-row-nocolsum": fsg.Float8(recipe="rowwise"),
-                    "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                    "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                    "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                    "fsg-fp8-row-gw-colamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                    "fsg-fp8-row-gw-nocolamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-                }),  # fmt: skip
-            ),
+            precision=fsg.Policy(compute=torch.bfloat16, autocast=impl == "fsg-autocast", matmul=matmul),
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,
             skip_nonfinite=impl == "fsg-skip",

@@ -147,3 +147,51 @@ def test_a_step_through_the_flex_attention_backward_equals_finite_differences(ba
             e[h] = 1e-2
             up, down = (loss_fn(init | {"slopes": init["slopes"] + s * e}, x) for s in (1, -1))
             torch.testing.assert_close((before["slopes"] - state.params["slopes"])[h], (up - down) / 2e-2, rtol=2e-2, atol=1e-5)
+
+
+def _flex_llama_eval_graph(**kwargs):
+    """The traced evaluation graph of the Hugging Face Llama with FlexAttention (``kwargs`` go to
+    the model's call)."""
+    model = flex_llama(64).eval()
+    ids = torch.randint(0, 100, (2, 32))
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
+
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
+    return fsg.compile_eval(loss_fn, backend="eager").lower(state, ids).graph_module
+
+
+def test_a_block_mask_built_inside_the_step_is_found_and_one_built_outside_is_not():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fsg._src.backend import flex_attention as backend_flex
+
+    inside = _flex_llama_eval_graph()  # the model builds its causal mask each call
+    found = backend_flex.block_masks_built_in_graph(inside)
+    assert len(found) == 2 and all(n.target.name() == "flex_attention" for n in found)  # one a layer
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
+    assert backend_flex.block_masks_built_in_graph(_flex_llama_eval_graph(attention_mask=causal)) == []
+    backend_flex.refuse_block_masks_built_in_graph(inside)  # CPU: compiled (its evaluation matches eager above)
+    with pytest.raises(fsg.UnsupportedError) as err:
+        backend_flex.refuse_block_masks_built_in_graph(inside, devices=("cpu",))  # the CUDA rule, on this graph
+    message = str(err.value)
+    assert "FlexAttention at " in message and "BlockMask built inside the step" in message
+    assert "attention_mask=create_block_mask" in message and "backend='aot_eager'" in message
+
+
+def test_a_hugging_face_model_with_an_outside_block_mask_evaluates_as_eager():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    model = flex_llama(64).eval()
+    ids = torch.randint(0, 100, (2, 32))
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids, attention_mask=causal).loss
+
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
+    got = fsg.compile_eval(loss_fn)(state, ids)
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss  # its own causal mask
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

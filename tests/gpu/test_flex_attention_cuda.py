@@ -55,11 +55,16 @@ def test_flex_attention_steps_as_eager(backend, mask):
 
 
 def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
+    """With the causal BlockMask built outside the step (the model's own, built in each call, is
+    refused below); the reference is the model's eager call, which builds its own mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cuda")
 
     def loss_fn(params, ids):
-        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+        return fsg.apply(model, params, input_ids=ids, labels=ids, attention_mask=causal).loss
 
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
     state = step.init(fsg.params(model))
@@ -71,4 +76,27 @@ def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
     want.backward()
     torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_a_block_mask_built_inside_the_step_is_refused_under_inductor():
+    """The model's own mask (create_block_mask in each forward): fsg's Inductor step computed
+    wrong gradients with it on an H100 (torch 2.11), so it is refused; aot_eager trains it."""
+    model = flex_llama(256).cuda()
+    ids = torch.randint(0, 100, (2, 128), device="cuda")
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
+    with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step"):
+        step(step.init(fsg.params(model)), ids)
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend="aot_eager")
+    state = step.init(fsg.params(model))
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, _ = step(state, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5)

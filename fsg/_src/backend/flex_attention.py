@@ -11,6 +11,10 @@
 - On CPU, Inductor without epilogue fusion (``has_cpu_flex_attention``).
 - Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
   require grad (``captured_grads_when_run_eagerly``).
+- On CUDA under Inductor, a block mask the step itself builds (``create_block_mask`` inside the
+  loss: what a Hugging Face model with ``attn_implementation="flex_attention"`` does) is refused
+  (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong gradients with it
+  on an H100 (torch 2.11), while the same mask built outside the step trains correctly.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import operator
 import torch
 from torch import fx
 
-from fsg._src import _torch_private
+from fsg._src import _torch_private, graph_facts
+from fsg._src.errors import UnsupportedError
+from fsg._src.trace import purity
 
 FLEX_ATTENTION = "flex_attention"
 
@@ -89,3 +95,52 @@ def captured_grads_when_run_eagerly(gm: fx.GraphModule) -> int:
     if marked:
         gm.recompile()
     return marked
+
+
+_BLOCK_MASK_ARG = {FLEX_ATTENTION: 4, FLEX_ATTENTION_BACKWARD: 9}  # the BlockMask's tuple among the operator's args
+_aten = torch.ops.aten
+_COPIES = frozenset({_aten._to_copy.default, _aten.clone.default, _aten.detach.default, _aten.alias.default})
+
+
+def _made_by(node: fx.Node) -> fx.Node:
+    """The node whose values ``node`` holds: up through views and copies."""
+    while node.op == "call_function" and (node.target in _COPIES or graph_facts.is_view(node)) and node.args:
+        node = node.args[0]
+    return node
+
+
+def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
+    """The FlexAttention calls (forward and backward) of ``gm`` whose block mask's tensors the
+    graph computes (``create_block_mask`` traced with the step), rather than reads as constants
+    or inputs (a ``BlockMask`` built outside the step and captured)."""
+    found = []
+    for node in gm.graph.nodes:
+        index = next((i for name, i in _BLOCK_MASK_ARG.items() if _is_flex(node, name)), None)
+        if index is None or len(node.args) <= index:
+            continue
+        tensors = [a for a in node.args[index] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if any(_made_by(t).op == "call_function" for t in tensors):
+            found.append(node)
+    return found
+
+
+def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
+    """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
+    mask the step builds (``block_masks_built_in_graph``). On CUDA, fsg's Inductor step computed
+    wrong gradients for it (a Hugging Face Llama with ``attn_implementation="flex_attention"`` on
+    an H100, torch 2.11: the loss right or nearly, the gradients off by 60% to 2,400% of their
+    norm, changing from run to run; ``aot_eager``, ``torch.compile`` of the same model, and fsg's
+    Inductor step with the mask built outside it all right). Not root-caused: refused, not run."""
+    calls = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
+    if not calls:
+        return
+    first = next((n for n in calls if _is_flex(n)), calls[0])
+    raise UnsupportedError(
+        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads a BlockMask built inside the step "
+        "(create_block_mask traced with the loss; a Hugging Face model with attn_implementation='flex_attention' "
+        f"builds one each call), on {first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses "
+        "it: its Inductor step computed wrong gradients with such a mask (torch 2.11, H100), and right ones with the "
+        "same mask built outside the step. Build the mask once outside loss_fn and use it there (captured, or a "
+        "Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')), or pass "
+        "backend='aot_eager' (docs/models.md#flexattention-and-other-higher-order-operators)."
+    )
