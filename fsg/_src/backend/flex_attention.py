@@ -12,9 +12,10 @@
 - Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
   require grad (``captured_grads_when_run_eagerly``).
 - On CUDA under Inductor, a block mask the step itself builds (``create_block_mask`` inside the
-  loss: what a Hugging Face model with ``attn_implementation="flex_attention"`` does) is refused
-  (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong gradients with it
-  on an H100 (torch 2.11), while the same mask built outside the step trains correctly.
+  loss: what a Hugging Face model with ``attn_implementation="flex_attention"`` does) or one per
+  sequence is refused (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong
+  gradients with such a mask on an H100 (torch 2.11), while a causal mask for every sequence
+  built outside the step trains correctly.
 """
 
 from __future__ import annotations
@@ -109,38 +110,62 @@ def _made_by(node: fx.Node) -> fx.Node:
     return node
 
 
+def _block_masks(gm: fx.GraphModule):
+    """Each FlexAttention call (forward and backward) of ``gm`` and its block mask's tensor args."""
+    for node in gm.graph.nodes:
+        index = next((i for name, i in _BLOCK_MASK_ARG.items() if _is_flex(node, name)), None)
+        if index is not None and len(node.args) > index:
+            yield node, [a for a in node.args[index] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
 def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls (forward and backward) of ``gm`` whose block mask's tensors the
     graph computes (``create_block_mask`` traced with the step), rather than reads as constants
     or inputs (a ``BlockMask`` built outside the step and captured)."""
-    found = []
-    for node in gm.graph.nodes:
-        index = next((i for name, i in _BLOCK_MASK_ARG.items() if _is_flex(node, name)), None)
-        if index is None or len(node.args) <= index:
-            continue
-        tensors = [a for a in node.args[index] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-        if any(_made_by(t).op == "call_function" for t in tensors):
-            found.append(node)
-    return found
+    return [node for node, tensors in _block_masks(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
+
+
+# Refused on CUDA under Inductor: a block mask the step builds (measured wrong: the gradients of a
+# Hugging Face Llama, whose mask is built in each forward, on an H100 with torch 2.11), and a
+# mask with a batch dim (B > 1 in create_block_mask: one mask a sequence), which the failing mask
+# also had: a GPU run has not separated the two (tests/gpu/test_flex_attention_cuda.py turns each
+# off to check it; RESULTS.md, 2026-12-06).
+REFUSE_BUILT_IN_GRAPH = True
+REFUSE_PER_SEQUENCE = True
+
+
+def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
+    """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
+    its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]``)."""
+    return [node for node, tensors in _block_masks(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
 
 
 def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
-    mask the step builds (``block_masks_built_in_graph``). On CUDA, fsg's Inductor step computed
-    wrong gradients for it (a Hugging Face Llama with ``attn_implementation="flex_attention"`` on
-    an H100, torch 2.11: the loss right or nearly, the gradients off by 60% to 2,400% of their
-    norm, changing from run to run; ``aot_eager``, ``torch.compile`` of the same model, and fsg's
-    Inductor step with the mask built outside it all right). Not root-caused: refused, not run."""
-    calls = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
-    if not calls:
+    mask the step builds (``block_masks_built_in_graph``) or one with a batch dim
+    (``per_sequence_block_masks``), as ``REFUSE_BUILT_IN_GRAPH`` and ``REFUSE_PER_SEQUENCE``
+    say. On CUDA, fsg's Inductor step computed wrong gradients for a mask that was both (a
+    Hugging Face Llama with ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the
+    loss right or nearly, the gradients off by 60% to 2,400% of their norm, changing from run to
+    run; ``aot_eager``, ``torch.compile`` of the same model, and fsg's Inductor step with a
+    causal mask for every sequence built outside it all right). Not root-caused: refused, not run."""
+    found = []
+    if REFUSE_BUILT_IN_GRAPH:
+        found += [(n, "a BlockMask built inside the step (create_block_mask traced with the loss; a Hugging Face model "
+                      "with attn_implementation='flex_attention' builds one each call)") for n in block_masks_built_in_graph(gm)]  # fmt: skip
+    if REFUSE_PER_SEQUENCE:
+        found += [(n, "a BlockMask with a batch dim (B > 1 in create_block_mask: a mask per sequence)")
+                  for n in per_sequence_block_masks(gm)]  # fmt: skip
+    found = [(n, why) for n, why in found if n.args[0].meta["val"].device.type in devices]
+    if not found:
         return
-    first = next((n for n in calls if _is_flex(n)), calls[0])
+    first, why = next(((n, why) for n, why in found if _is_flex(n)), found[0])
     raise UnsupportedError(
-        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads a BlockMask built inside the step "
-        "(create_block_mask traced with the loss; a Hugging Face model with attn_implementation='flex_attention' "
-        f"builds one each call), on {first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses "
-        "it: its Inductor step computed wrong gradients with such a mask (torch 2.11, H100), and right ones with the "
-        "same mask built outside the step. Build the mask once outside loss_fn and use it there (captured, or a "
-        "Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')), or pass "
-        "backend='aot_eager' (docs/models.md#flexattention-and-other-higher-order-operators)."
+        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads {why}, on "
+        f"{first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: its Inductor step computed "
+        "wrong gradients with a mask built inside the step for each sequence (torch 2.11, H100), and right ones with a "
+        "causal mask for every sequence built outside the step. Build the mask once outside loss_fn, with B=None where "
+        "the sequences share it, and use it there (captured, or a Hugging Face model's "
+        "attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')), or pass backend='aot_eager' "
+        "(docs/models.md#flexattention-and-other-higher-order-operators)."
     )
