@@ -149,9 +149,9 @@ def test_a_step_through_the_flex_attention_backward_equals_finite_differences(ba
             torch.testing.assert_close((before["slopes"] - state.params["slopes"])[h], (up - down) / 2e-2, rtol=2e-2, atol=1e-5)
 
 
-def _flex_llama_eval_graph(**kwargs):
-    """The traced evaluation graph of the Hugging Face Llama with FlexAttention (``kwargs`` go to
-    the model's call)."""
+def _flex_llama_eval_graph(stage="traced", **kwargs):
+    """A stage's evaluation graph of the Hugging Face Llama with FlexAttention (``kwargs`` go to
+    the model's call); ``"traced"``: its mask not yet folded (passes/fold_block_masks.py)."""
     model = flex_llama(64).eval()
     ids = torch.randint(0, 100, (2, 32))
 
@@ -159,7 +159,7 @@ def _flex_llama_eval_graph(**kwargs):
         return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
 
     state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
-    return fsg.compile_eval(loss_fn, backend="eager").lower(state, ids).graph_module
+    return fsg.compile_eval(loss_fn, backend="eager").lower(state, ids).stages.get(stage)
 
 
 def test_a_block_mask_built_inside_the_step_is_found_and_one_built_outside_is_not():

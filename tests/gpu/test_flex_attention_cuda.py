@@ -54,17 +54,21 @@ def test_flex_attention_steps_as_eager(backend, mask):
         torch.testing.assert_close(before[k] - state.params[k], grad, rtol=1e-3, atol=1e-5, msg=k)
 
 
-def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
-    """With the causal BlockMask built outside the step (the model's own, built in each call, is
-    refused below); the reference is the model's eager call, which builds its own mask."""
+@pytest.mark.parametrize("mask", ["own", "outside"])
+def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
+    """``own``: the model builds its causal mask in each forward, which fsg computes once when
+    it builds the step (passes/fold_block_masks.py); ``outside``: the causal BlockMask passed as
+    the model's ``attention_mask``. The reference is the model's eager call (its own mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
-    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cuda")
+    kwargs = {}
+    if mask == "outside":
+        kwargs["attention_mask"] = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cuda")
 
     def loss_fn(params, ids):
-        return fsg.apply(model, params, input_ids=ids, labels=ids, attention_mask=causal).loss
+        return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
 
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
     state = step.init(fsg.params(model))
@@ -79,25 +83,28 @@ def test_a_hugging_face_model_with_flex_attention_trains_as_eager():
         torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5)
 
 
-def test_a_block_mask_built_inside_the_step_is_refused_under_inductor():
-    """The model's own mask (create_block_mask in each forward): fsg's Inductor step computed
-    wrong gradients with it on an H100 (torch 2.11), so it is refused; aot_eager trains it."""
+def test_a_block_mask_from_the_batch_is_refused_under_inductor():
+    """A padding mask in the batch: the model builds its block mask from it in the step (not
+    foldable), one a sequence: refused under Inductor; aot_eager trains it as eager."""
     model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
+    padding = torch.ones(2, 128, dtype=torch.long, device="cuda")
+    padding[1, 100:] = 0
 
-    def loss_fn(params, ids):
-        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+    def loss_fn(params, batch):
+        return fsg.apply(model, params, input_ids=batch["ids"], attention_mask=batch["mask"], labels=batch["ids"]).loss
 
+    batch = {"ids": ids, "mask": padding}
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
     with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step"):
-        step(step.init(fsg.params(model)), ids)
+        step(step.init(fsg.params(model)), batch)
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend="aot_eager")
     state = step.init(fsg.params(model))
     before = {k: v.clone() for k, v in state.params.items()}
-    state, _ = step(state, ids)
+    state, _ = step(state, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, attention_mask=padding, labels=ids).loss.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5)
 

@@ -11,11 +11,12 @@
 - On CPU, Inductor without epilogue fusion (``has_cpu_flex_attention``).
 - Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
   require grad (``captured_grads_when_run_eagerly``).
-- On CUDA under Inductor, a block mask the step itself builds (``create_block_mask`` inside the
-  loss: what a Hugging Face model with ``attn_implementation="flex_attention"`` does) or one per
-  sequence is refused (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong
-  gradients with such a mask on an H100 (torch 2.11), while a causal mask for every sequence
-  built outside the step trains correctly.
+- On CUDA under Inductor, a block mask the step computes from its inputs (a padding mask from
+  the batch; masks from constants alone were computed once in stage 3,
+  ``passes/fold_block_masks.py``) or one per sequence is refused
+  (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong gradients with a
+  mask built in the step for each sequence on an H100 (torch 2.11), while a causal mask for every
+  sequence read as a constant trains correctly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts
 from fsg._src.errors import UnsupportedError
+from fsg._src.passes import fold_block_masks
 from fsg._src.trace import purity
 
 FLEX_ATTENTION = "flex_attention"
@@ -98,7 +100,6 @@ def captured_grads_when_run_eagerly(gm: fx.GraphModule) -> int:
     return marked
 
 
-_BLOCK_MASK_ARG = {FLEX_ATTENTION: 4, FLEX_ATTENTION_BACKWARD: 9}  # the BlockMask's tuple among the operator's args
 _aten = torch.ops.aten
 _COPIES = frozenset({_aten._to_copy.default, _aten.clone.default, _aten.detach.default, _aten.alias.default})
 
@@ -110,26 +111,18 @@ def _made_by(node: fx.Node) -> fx.Node:
     return node
 
 
-def _block_masks(gm: fx.GraphModule):
-    """Each FlexAttention call (forward and backward) of ``gm`` and its block mask's tensor args."""
-    for node in gm.graph.nodes:
-        index = next((i for name, i in _BLOCK_MASK_ARG.items() if _is_flex(node, name)), None)
-        if index is not None and len(node.args) > index:
-            yield node, [a for a in node.args[index] if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
 def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls (forward and backward) of ``gm`` whose block mask's tensors the
     graph computes (``create_block_mask`` traced with the step), rather than reads as constants
     or inputs (a ``BlockMask`` built outside the step and captured)."""
-    return [node for node, tensors in _block_masks(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
+    return [node for node, _, tensors in fold_block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
 
 
-# Refused on CUDA under Inductor: a block mask the step builds (measured wrong: the gradients of a
-# Hugging Face Llama, whose mask is built in each forward, on an H100 with torch 2.11), and a
-# mask with a batch dim (B > 1 in create_block_mask: one mask a sequence), which the failing mask
-# also had: a GPU run has not separated the two (tests/gpu/test_flex_attention_cuda.py turns each
-# off to check it; RESULTS.md, 2026-12-06).
+# Refused on CUDA under Inductor: a block mask the step computes (measured wrong: the gradients of
+# a Hugging Face Llama, whose mask was built in each forward before fold_block_masks computed it
+# once, on an H100 with torch 2.11), and a mask with a batch dim (B > 1 in create_block_mask: one
+# mask a sequence), which the failing mask also had: a GPU run has not separated the two
+# (tests/gpu/test_flex_attention_cuda.py turns each off to check it; RESULTS.md, 2026-12-06).
 REFUSE_BUILT_IN_GRAPH = True
 REFUSE_PER_SEQUENCE = True
 
@@ -137,7 +130,7 @@ REFUSE_PER_SEQUENCE = True
 def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
     its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]``)."""
-    return [node for node, tensors in _block_masks(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
+    return [node for node, _, tensors in fold_block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
 
 
 def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
@@ -151,8 +144,10 @@ def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ..
     causal mask for every sequence built outside it all right). Not root-caused: refused, not run."""
     found = []
     if REFUSE_BUILT_IN_GRAPH:
-        found += [(n, "a BlockMask built inside the step (create_block_mask traced with the loss; a Hugging Face model "
-                      "with attn_implementation='flex_attention' builds one each call)") for n in block_masks_built_in_graph(gm)]  # fmt: skip
+        found += [(n, "a BlockMask built inside the step from its inputs (create_block_mask over a mask read from the "
+                      "batch or the parameters: a Hugging Face model given a padding attention_mask builds one; a mask "
+                      "built from constants alone is computed once and read as a constant)")
+                  for n in block_masks_built_in_graph(gm)]  # fmt: skip
     if REFUSE_PER_SEQUENCE:
         found += [(n, "a BlockMask with a batch dim (B > 1 in create_block_mask: a mask per sequence)")
                   for n in per_sequence_block_masks(gm)]  # fmt: skip
@@ -164,8 +159,8 @@ def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ..
         f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads {why}, on "
         f"{first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: its Inductor step computed "
         "wrong gradients with a mask built inside the step for each sequence (torch 2.11, H100), and right ones with a "
-        "causal mask for every sequence built outside the step. Build the mask once outside loss_fn, with B=None where "
-        "the sequences share it, and use it there (captured, or a Hugging Face model's "
-        "attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')), or pass backend='aot_eager' "
+        "causal mask for every sequence read as a constant. Pass backend='aot_eager' (correct, slower), or build the "
+        "mask outside loss_fn, with B=None where the sequences share it, and use it there (captured, or a Hugging Face "
+        "model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')) "
         "(docs/models.md#flexattention-and-other-higher-order-operators)."
     )
