@@ -149,9 +149,9 @@ def test_a_step_through_the_flex_attention_backward_equals_finite_differences(ba
             torch.testing.assert_close((before["slopes"] - state.params["slopes"])[h], (up - down) / 2e-2, rtol=2e-2, atol=1e-5)
 
 
-def _flex_llama_eval_graph(stage="traced", **kwargs):
-    """A stage's evaluation graph of the Hugging Face Llama with FlexAttention (``kwargs`` go to
-    the model's call); ``"traced"``: its mask not yet folded (passes/fold_block_masks.py)."""
+def _flex_llama_eval_graph(**kwargs):
+    """The evaluation graph of the Hugging Face Llama with FlexAttention (``kwargs`` go to the
+    model's call)."""
     model = flex_llama(64).eval()
     ids = torch.randint(0, 100, (2, 32))
 
@@ -159,24 +159,41 @@ def _flex_llama_eval_graph(stage="traced", **kwargs):
         return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
 
     state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
-    return fsg.compile_eval(loss_fn, backend="eager").lower(state, ids).stages.get(stage)
+    return fsg.compile_eval(loss_fn, backend="eager").lower(state, ids).graph_module
 
 
-def test_a_block_mask_built_inside_the_step_is_found_and_one_built_outside_is_not():
+def _mask_from_the_batch_graph():
+    """An evaluation graph whose block mask is built from the batch's values (each sequence's
+    length): it stays in the step."""
+    lin = torch.nn.Linear(64, 3 * H * D)
+
+    def loss_fn(params, x):
+        lengths = (x[:, :, 0] > 0).sum(1) + 8
+        mask = flex.create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, T, T, device="cpu")
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        return flex.flex_attention(q, k, v, block_mask=mask).square().mean()
+
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(params)
+    return fsg.compile_eval(loss_fn, backend="eager").lower(state, torch.randn(2, T, 64)).graph_module
+
+
+def test_a_block_mask_built_from_the_batch_is_found_and_one_built_outside_is_not():
     from torch.nn.attention.flex_attention import create_block_mask
 
     from fsg._src.backend import flex_attention as backend_flex
 
-    inside = _flex_llama_eval_graph()  # the model builds its causal mask each call
+    inside = _mask_from_the_batch_graph()
     found = backend_flex.block_masks_built_in_graph(inside)
-    assert len(found) == 2 and all(n.target.name() == "flex_attention" for n in found)  # one a layer
+    assert len(found) == 1 and found[0].target.name() == "flex_attention"
+    assert backend_flex.block_masks_built_in_graph(_flex_llama_eval_graph()) == []  # its causal mask: a constant
     causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
     assert backend_flex.block_masks_built_in_graph(_flex_llama_eval_graph(attention_mask=causal)) == []
-    backend_flex.refuse_block_masks_built_in_graph(inside)  # CPU: compiled (its evaluation matches eager above)
+    backend_flex.refuse_block_masks_built_in_graph(inside)  # CPU: compiled
     with pytest.raises(fsg.UnsupportedError) as err:
         backend_flex.refuse_block_masks_built_in_graph(inside, devices=("cpu",))  # the CUDA rule, on this graph
     message = str(err.value)
-    assert "FlexAttention at " in message and "BlockMask built inside the step" in message
+    assert "FlexAttention at " in message and "BlockMask built inside the step from its inputs" in message
     assert "attention_mask=create_block_mask" in message and "backend='aot_eager'" in message
 
 

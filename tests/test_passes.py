@@ -319,17 +319,14 @@ def test_the_declared_order_is_the_order_the_passes_need():
     everything = pipeline.Options(adamw=object(), on_mesh=True, bucket_mb=25.0)
     names = [p.name for p in pipeline.order([p for p in pipeline.PASSES if p.applies(everything)])]
     assert names == [
-        "fold_block_masks", "pack_attention_grads", "fuse_adamw", "strip_markers", "gemm_epilogues", "batch_casts",
+        "pack_attention_grads", "fuse_adamw", "strip_markers", "gemm_epilogues", "batch_casts",
         "bucket_parameter_gathers", "bucket_gradient_collectives", "update_on_arrival", "defer_small_collectives",
     ]  # fmt: skip
     applies = [p.name for p in pipeline.PASSES if p.applies(pipeline.Options())]
-    assert applies == ["fold_block_masks", "pack_attention_grads", "narrow_reads", "gemm_epilogues", "batch_casts"]
+    assert applies == ["pack_attention_grads", "narrow_reads", "gemm_epilogues", "batch_casts"]
     one_device = pipeline.Options(adamw=object())
     names = [p.name for p in pipeline.order([p for p in pipeline.PASSES if p.applies(one_device)])]
-    assert names == [
-        "fold_block_masks", "pack_attention_grads", "fuse_adamw", "strip_markers", "narrow_reads", "gemm_epilogues",
-        "batch_casts",
-    ]  # fmt: skip
+    assert names == ["pack_attention_grads", "fuse_adamw", "strip_markers", "narrow_reads", "gemm_epilogues", "batch_casts"]
 
 
 def _erase_relu(gm, options):

@@ -137,3 +137,28 @@ def _train(model: FlexBlock, batches: list, axes: dict, preset: str) -> None:
         fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1), param_sharding=preset_rules(preset),
         batch_sharding=fsg.P("dp") if "dp" in axes else fsg.P(), rtol=1e-5, atol=1e-6, backend="aot_eager",
     )  # fmt: skip
+
+
+def check_hugging_face_flex_eval(axes: dict, preset: str) -> None:
+    """A Hugging Face Llama with ``attn_implementation="flex_attention"`` evaluated on a mesh
+    equals the unsharded evaluation, and its attention stays on each rank's sequences: the
+    causal mask it builds for the whole batch in each forward is computed once, one for every
+    sequence (trace/block_masks.py), so no ``ShardingFallbackWarning`` gathers the batch."""
+    from tests.test_flex_attention import flex_llama
+
+    model = flex_llama(64).eval()
+    ids = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids).loss
+
+    mesh, rules = fsg.testing.mesh(axes), preset_rules(preset)
+    step = fsg.compile_step(loss_fn, mesh, optimizer=fsg.optim.sgd(0.1), param_sharding=rules, backend="eager")
+    state = step.init(fsg.params(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fsg.compile_eval(loss_fn, mesh, param_sharding=rules)(state, ids)
+    fallbacks = [str(w.message)[:200] for w in caught if issubclass(w.category, fsg.ShardingFallbackWarning)]
+    assert not any("flex_attention" in m for m in fallbacks), fallbacks
+    whole = tree.tree_map(lambda t: t.full_tensor(), state)
+    torch.testing.assert_close(got, fsg.compile_eval(loss_fn, backend="eager")(whole, ids), rtol=1e-5, atol=1e-6)

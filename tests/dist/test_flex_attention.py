@@ -19,3 +19,9 @@ def test_flex_attention_evaluates_on_a_mesh_as_unsharded(ranks, axes, preset, ba
 @pytest.mark.parametrize(("axes", "preset"), MESHES)
 def test_flex_attention_trains_on_a_mesh_as_unsharded(ranks, axes, preset, variant):
     ranks(2).run(flex_workers.check_flex_attention_training, axes, preset, variant)
+
+
+@pytest.mark.parametrize(("axes", "preset"), [({"dp": 2}, "dp"), ({"dp": 2}, "fsdp")])
+def test_a_hugging_face_model_with_flex_attention_evaluates_locally_on_a_mesh(ranks, axes, preset):
+    pytest.importorskip("transformers")
+    ranks(2).run(flex_workers.check_hugging_face_flex_eval, axes, preset)

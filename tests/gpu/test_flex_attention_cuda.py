@@ -57,7 +57,7 @@ def test_flex_attention_steps_as_eager(backend, mask):
 @pytest.mark.parametrize("mask", ["own", "outside"])
 def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
     """``own``: the model builds its causal mask in each forward, which fsg computes once when
-    it builds the step (passes/fold_block_masks.py); ``outside``: the causal BlockMask passed as
+    it traces the step (trace/block_masks.py); ``outside``: the causal BlockMask passed as
     the model's ``attention_mask``. The reference is the model's eager call (its own mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -84,29 +84,34 @@ def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
 
 
 def test_a_block_mask_from_the_batch_is_refused_under_inductor():
-    """A padding mask in the batch: the model builds its block mask from it in the step (not
-    foldable), one a sequence: refused under Inductor; aot_eager trains it as eager."""
-    model = flex_llama(256).cuda()
-    ids = torch.randint(0, 100, (2, 128), device="cuda")
-    padding = torch.ones(2, 128, dtype=torch.long, device="cuda")
-    padding[1, 100:] = 0
+    """A mask built in the step from the batch's values (each sequence's length), one a
+    sequence: not foldable, refused under Inductor; aot_eager trains it as eager."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    def loss_fn(params, batch):
-        return fsg.apply(model, params, input_ids=batch["ids"], attention_mask=batch["mask"], labels=batch["ids"]).loss
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192).cuda()
 
-    batch = {"ids": ids, "mask": padding}
+    def loss_fn(params, x):
+        lengths = (x[:, :, 0] > 0).sum(1) + 8
+        mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, 256, 256, device="cuda")
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v, block_mask=mask).square().mean()
+
+    x = torch.randn(2, 256, 64, device="cuda")
+    init = {k: v.detach() for k, v in lin.named_parameters()}
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
-    with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step"):
-        step(step.init(fsg.params(model)), batch)
+    with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step from its inputs"):
+        step(step.init(init), x)
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend="aot_eager")
-    state = step.init(fsg.params(model))
+    state = step.init(init)
     before = {k: v.clone() for k, v in state.params.items()}
-    state, _ = step(state, batch)
+    state, _ = step(state, x)
+    params = {k: v.clone().requires_grad_() for k, v in init.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model(input_ids=ids, attention_mask=padding, labels=ids).loss.backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(before[name] - state.params[name], p.grad, rtol=1e-3, atol=1e-5)
+        loss_fn(params, x).backward()
+    for k, p in params.items():
+        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -130,19 +135,20 @@ def test_each_refused_block_mask_condition_alone(monkeypatch, where):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 192).cuda()
     per_sequence = where.endswith("per_sequence")
-    lengths = torch.tensor([256, 160], device="cuda")  # the second sequence padded after 160 tokens
 
-    def keep(b, h, q, kv):
-        return (q >= kv) & (kv < lengths[b]) if per_sequence else q >= kv
-
-    def mask():
+    def mask(x):  # inside: from the batch's values (not foldable): the lengths 256 and 100 all the same
+        lengths = torch.tensor([256, 100], device="cuda")
+        if where.startswith("inside"):
+            lengths = lengths + (x[:, :, 0] < -1e4).sum(1)  # + 0
+        keep = (lambda b, h, q, kv: (q >= kv) & (kv < lengths[b])) if per_sequence else (
+            lambda b, h, q, kv: (q >= kv) & (kv < lengths[0]))  # fmt: skip
         return create_block_mask(keep, 2 if per_sequence else None, None, 256, 256, device="cuda")
 
-    outside = None if where.startswith("inside") else mask()
+    outside = None if where.startswith("inside") else mask(None)
 
     def loss_fn(params, x):
         q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        return flex_attention(q, k, v, block_mask=outside if outside is not None else mask()).square().mean()
+        return flex_attention(q, k, v, block_mask=outside if outside is not None else mask(x)).square().mean()
 
     x = torch.randn(2, 256, 64, device="cuda")
     init = {k: v.detach() for k, v in lin.named_parameters()}

@@ -12,8 +12,8 @@
 - Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
   require grad (``captured_grads_when_run_eagerly``).
 - On CUDA under Inductor, a block mask the step computes from its inputs (a padding mask from
-  the batch; masks from constants alone were computed once in stage 3,
-  ``passes/fold_block_masks.py``) or one per sequence is refused
+  the batch; masks from constants alone were computed once in stage 1,
+  ``trace/block_masks.py``) or one per sequence is refused
   (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong gradients with a
   mask built in the step for each sequence on an H100 (torch 2.11), while a causal mask for every
   sequence read as a constant trains correctly.
@@ -28,8 +28,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts
 from fsg._src.errors import UnsupportedError
-from fsg._src.passes import fold_block_masks
-from fsg._src.trace import purity
+from fsg._src.trace import block_masks, purity
 
 FLEX_ATTENTION = "flex_attention"
 
@@ -115,11 +114,11 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls (forward and backward) of ``gm`` whose block mask's tensors the
     graph computes (``create_block_mask`` traced with the step), rather than reads as constants
     or inputs (a ``BlockMask`` built outside the step and captured)."""
-    return [node for node, _, tensors in fold_block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
+    return [node for node, _, tensors in block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
 
 
 # Refused on CUDA under Inductor: a block mask the step computes (measured wrong: the gradients of
-# a Hugging Face Llama, whose mask was built in each forward before fold_block_masks computed it
+# a Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
 # once, on an H100 with torch 2.11), and a mask with a batch dim (B > 1 in create_block_mask: one
 # mask a sequence), which the failing mask also had: a GPU run has not separated the two
 # (tests/gpu/test_flex_attention_cuda.py turns each off to check it; RESULTS.md, 2026-12-06).
@@ -130,7 +129,7 @@ REFUSE_PER_SEQUENCE = True
 def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
     its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]``)."""
-    return [node for node, _, tensors in fold_block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
+    return [node for node, _, tensors in block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
 
 
 def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:

@@ -21,7 +21,6 @@ from fsg._src.passes import (
     buckets,
     defer,
     float8,
-    fold_block_masks,
     fuse_adamw,
     fuse_bias_grads,
     gemm_epilogues,
@@ -58,9 +57,6 @@ class Pass(NamedTuple):
 
 
 PASSES = (
-    # a FlexAttention block mask the step builds from constants alone, computed once (first: the
-    # masks' ops leave the graph before any pass looks at it)
-    Pass("fold_block_masks", lambda gm, o: fold_block_masks.fold_block_masks(gm), lambda o: True),
     # attention's backward writes the qkv gradient in place of a concatenation (a rank's local
     # rewrite, so also on a mesh; before float8, which then casts the packed gradient)
     Pass("pack_attention_grads", lambda gm, o: pack_attention_grads.pack_attention_grads(gm),

@@ -22,7 +22,6 @@ from fsg._src.backend import inductor as backend_lib
 from fsg._src.errors import MeshError, RecompileError, RecompileWarning
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
-from fsg._src.passes import fold_block_masks
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules, param_names
 from fsg._src.runtime.lowered import Lowered
@@ -142,17 +141,6 @@ class EvalStep:
         return built
 
     def _build(self, state: TrainState, batch: Any) -> _Built:
-        """Stage 1, and stage 2 on a mesh; then the train step's first stage-3 pass: FlexAttention
-        block masks the step builds from constants alone, computed once (passes/fold_block_masks.py)."""
-        built = self._stages(state, batch)
-        if not any(fold_block_masks.block_mask_args(built.graph)):
-            return built
-        graph = _torch_private.copy_graph_module(built.graph)
-        if not fold_block_masks.fold_block_masks(graph):
-            return built
-        return built._replace(graph=graph, stages={**built.stages, "optimized": graph})
-
-    def _stages(self, state: TrainState, batch: Any) -> _Built:
         """Stage 1, and stage 2 on a mesh."""
         self._check_specs(state, batch)
         if self._mesh is None:

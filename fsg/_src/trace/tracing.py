@@ -23,7 +23,7 @@ from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._complex import complex_like, real_views
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy, at_least_float32
-from fsg._src.trace import accumulation, epilogue, loss_output, markers, purity, random, resilience
+from fsg._src.trace import accumulation, block_masks, epilogue, loss_output, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.train_state import TrainState
 
@@ -269,5 +269,7 @@ def trace(
     # a module buffer written but not in the state, a parameter read outside fsg.apply: refused by name
     purity.check_constants(gm, lambda op: purity.locate(loss_fn, state.params, batch, state.buffers, op))
     gm = epilogue.functionalize(gm, donate=donate, decompositions=decompositions)
+    if folded := block_masks.fold(gm):
+        log.info("fsg: stage 1: %d FlexAttention call(s) read a block mask computed once, not each step", folded)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
     return TracedStep(gm, n_state, tuple(metric_names), donate)

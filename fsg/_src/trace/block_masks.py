@@ -1,20 +1,22 @@
-"""Stage 3 graph pass: a FlexAttention block mask the step builds from constants alone is
-computed once, here, and read as a constant.
+"""Stage 1: a FlexAttention block mask the step builds from constants alone is computed once,
+when the step is traced, and read as a constant.
 
 ``create_block_mask`` called inside a loss traces into the step: a Hugging Face model with
 ``attn_implementation="flex_attention"`` builds its causal mask in every forward, dozens of ops
 over the ``[B, H, Q, KV]`` grid and an ``argsort`` a step, for tensors that depend on nothing the
-step is given. This pass evaluates them once, on the graph's device, when the step is built
-(``fold_block_masks``), and each FlexAttention call (forward and backward) reads the results as
-constants. Where every sequence's mask is the same (a causal mask built with ``B`` = the batch
-size), the first is kept alone (``B=1``: the kernels broadcast it over the batch, the same mask;
-``mask_mod`` still sees each sequence's index in the blocks it evaluates).
+step is given. ``fold`` evaluates them once, on the graph's device, and each FlexAttention call
+(forward and backward) reads the results as constants, as it would a mask built outside the
+loss. Where every sequence's mask is the same (a causal mask built with ``B`` = the batch size),
+the first is kept alone (``B=1``: the kernels broadcast it over the batch, the same mask;
+``mask_mod`` still sees each sequence's index in the blocks it evaluates), which on a mesh
+lets stage 2 keep a batch-sharded attention local (``sharding/flex_attention.py``).
 
 A mask that depends on anything the step is given (a padding mask from the batch, a mask from a
-parameter) stays in the step, as does one whose ops are not all pure ATen ops (a collective, a
-random draw). Why beyond the saved work: on CUDA fsg's Inductor step computed wrong gradients
-with a mask built in the step for each sequence, and right ones with a shared mask read as a
-constant (``backend/flex_attention.py`` refuses the former; RESULTS.md, 2026-12-06).
+parameter) stays in the step, as does one whose ops are not all ATen ops free of random draws
+and collectives, or that something outside them writes into. Why beyond the saved work: on
+CUDA fsg's Inductor step computed wrong gradients with a mask built in the step for each
+sequence, and right ones with a shared mask read as a constant (``backend/flex_attention.py``
+refuses the former; RESULTS.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _one_for_all(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return values
 
 
-def fold_block_masks(gm: fx.GraphModule) -> int:
+def fold(gm: fx.GraphModule) -> int:
     """Rewrites ``gm`` in place (module docstring); returns how many FlexAttention calls now
     read a folded mask."""
     graph, folded, rewritten = gm.graph, {}, 0
