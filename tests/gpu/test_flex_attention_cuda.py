@@ -12,6 +12,22 @@ from tests.test_flex_attention import flex_llama
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def _sgd_step_matches_eager(loss_fn, init: dict, x: torch.Tensor, backend: str = "inductor") -> None:
+    """One SGD step (lr 1) of ``loss_fn`` from ``init``: its loss and update equal eager autograd's."""
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend=backend)
+    state = step.init(init)
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, metrics = step(state, x)
+    params = {k: v.clone().requires_grad_() for k, v in init.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        want = loss_fn(params, x)
+    want.backward()
+    torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
+    for k, p in params.items():
+        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5, msg=k)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("mask", ["causal", "documents", "alibi"])
 def test_flex_attention_steps_as_eager(backend, mask):
@@ -102,16 +118,7 @@ def test_a_block_mask_from_the_batch_is_refused_under_inductor():
     step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
     with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step from its inputs"):
         step(step.init(init), x)
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0), backend="aot_eager")
-    state = step.init(init)
-    before = {k: v.clone() for k, v in state.params.items()}
-    state, _ = step(state, x)
-    params = {k: v.clone().requires_grad_() for k, v in init.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loss_fn(params, x).backward()
-    for k, p in params.items():
-        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5)
+    _sgd_step_matches_eager(loss_fn, init, x, backend="aot_eager")
 
 
 @pytest.mark.parametrize(
@@ -150,17 +157,4 @@ def test_each_refused_block_mask_condition_alone(monkeypatch, where):
         q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
         return flex_attention(q, k, v, block_mask=outside if outside is not None else mask(x)).square().mean()
 
-    x = torch.randn(2, 256, 64, device="cuda")
-    init = {k: v.detach() for k, v in lin.named_parameters()}
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
-    state = step.init(init)
-    before = {k: v.clone() for k, v in state.params.items()}
-    state, metrics = step(state, x)
-    params = {k: v.clone().requires_grad_() for k, v in init.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = loss_fn(params, x)
-    want.backward()
-    torch.testing.assert_close(metrics["loss"], want.detach(), rtol=1e-4, atol=1e-5)
-    for k, p in params.items():
-        torch.testing.assert_close(before[k] - state.params[k], p.grad, rtol=1e-3, atol=1e-5)
+    _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
