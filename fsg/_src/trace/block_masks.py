@@ -116,33 +116,36 @@ def _one_for_all(values: list[torch.Tensor]) -> list[torch.Tensor]:
 def fold(gm: fx.GraphModule) -> int:
     """Rewrites ``gm`` in place (module docstring); returns how many FlexAttention calls now
     read a folded mask."""
-    graph, folded, rewritten = gm.graph, {}, 0
+    graph, constants, cones, rewritten = gm.graph, {}, [], 0  # constants: a mask's tensors -> {tensor: constant}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for node, index, tensors in list(block_mask_args(gm)):
         key = tuple(tensors)
-        if key not in folded:
-            folded[key] = None
+        if key not in constants:
             cone = _cone(tensors) if any(t.op == "call_function" for t in tensors) else None
-            if cone is not None:
-                env = _evaluate(gm, cone)
-                values = _one_for_all([env[t] for t in tensors])
-                constants = []
-                for value in values:
-                    name = f"_fsg_block_mask_{len([k for k in folded if folded[k]])}_{len(constants)}"
-                    setattr(gm, name, value)
-                    with graph.inserting_before(first):  # (create_node: get_attr warns of a plain tensor attribute)
-                        constant = graph.create_node("get_attr", name)
-                    constant.meta["val"] = _torch_private.fake_mode().from_tensor(value)
-                    constants.append(constant)
-                folded[key] = dict(zip(tensors, constants))
-        if folded[key]:
-            mask = tuple(folded[key].get(a, a) if isinstance(a, fx.Node) else a for a in node.args[index])
+            constants[key] = {} if cone is None else _constants(gm, first, cone, tensors, len(cones))
+            cones += [cone] if cone is not None else []
+        if constants[key]:
+            mask = tuple(constants[key].get(a, a) if isinstance(a, fx.Node) else a for a in node.args[index])
             node.args = (*node.args[:index], mask, *node.args[index + 1 :])
             rewritten += 1
     if rewritten:
-        _erase_unread(graph, set().union(*(_cone(list(k)) or set() for k, v in folded.items() if v)))
+        _erase_unread(graph, set().union(*cones))
         gm.recompile()
     return rewritten
+
+
+def _constants(gm: fx.GraphModule, first: fx.Node, cone: set[fx.Node], tensors: list[fx.Node], i: int) -> dict:
+    """``tensors``' values (``_one_for_all``) as constants of ``gm``, read by ``get_attr`` nodes
+    placed before ``first``: ``{tensor node: its constant's node}``."""
+    env = _evaluate(gm, cone)
+    out = {}
+    for j, (t, value) in enumerate(zip(tensors, _one_for_all([env[t] for t in tensors]))):
+        name = f"_fsg_block_mask_{i}_{j}"
+        setattr(gm, name, value)
+        with gm.graph.inserting_before(first):  # (create_node: get_attr warns of a plain tensor attribute)
+            out[t] = gm.graph.create_node("get_attr", name)
+        out[t].meta["val"] = _torch_private.fake_mode().from_tensor(value)
+    return out
 
 
 def _erase_unread(graph: fx.Graph, cone: set[fx.Node]) -> None:
