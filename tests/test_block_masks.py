@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fsg
 from tests.dist.flex_workers import flex_op
@@ -100,3 +102,46 @@ def test_a_hugging_face_evaluation_reads_its_causal_mask_as_one_constant():
         with torch.no_grad():
             want = model(input_ids=ids, labels=ids).loss
     torch.testing.assert_close(evaluation(state, ids), want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    kind=st.sampled_from(["causal", "window", "documents", "lengths"]),
+    batch=st.integers(1, 3),
+    blocks=st.integers(1, 3),
+    size=st.integers(1, 200),
+)
+def test_any_constant_mask_built_in_the_step_evaluates_as_eager(kind, batch, blocks, size):
+    """Over mask functions (causal, a sliding window, packed documents, per-sequence lengths),
+    batch sizes and lengths: the evaluation with the mask built in the loss (folded, read as
+    a constant) equals eager PyTorch's, and the step keeps none of the mask's work."""
+    n = 128 * blocks
+    lengths = torch.tensor([max(1, (size * (i + 1)) % n) for i in range(batch)])
+    document = torch.arange(n) // max(1, size)
+
+    def keep(b, h, q, kv):
+        if kind == "window":
+            return (q >= kv) & (q - kv < size)
+        if kind == "documents":
+            return (q >= kv) & (document[q] == document[kv])
+        if kind == "lengths":
+            return (q >= kv) | (kv < lengths[b])
+        return q >= kv
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 3 * 2 * 8)
+
+    def loss_fn(params, x):
+        mask = flex.create_block_mask(keep, batch, None, n, n, device="cpu")
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(batch, n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return flex.flex_attention(q, k, v, block_mask=mask).square().mean()
+
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+    x = torch.randn(batch, n, 16)
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(params)
+    evaluation = fsg.compile_eval(loss_fn, backend="aot_eager")
+    assert all(set(ops) == {"get_attr"} for ops, _ in _masks(evaluation.lower(state, x).graph_module))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = loss_fn(params, x)
+    torch.testing.assert_close(evaluation(state, x), want, rtol=1e-5, atol=1e-6)
