@@ -117,8 +117,11 @@ def fold(gm: fx.GraphModule) -> int:
     """Rewrites ``gm`` in place (module docstring); returns how many FlexAttention calls now
     read a folded mask."""
     graph, constants, cones, rewritten = gm.graph, {}, [], 0  # constants: a mask's tensors -> {tensor: constant}
+    calls = list(block_mask_args(gm))
+    if not calls:  # (most graphs: one walk over the nodes)
+        return 0
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    for node, index, tensors in list(block_mask_args(gm)):
+    for node, index, tensors in calls:
         key = tuple(tensors)
         if key not in constants:
             cone = _cone(tensors) if any(t.op == "call_function" for t in tensors) else None
