@@ -197,7 +197,9 @@ def test_a_block_mask_built_from_the_batch_is_found_and_one_built_outside_is_not
     assert "attention_mask=create_block_mask" in message and "backend='aot_eager'" in message
 
 
-def test_a_block_mask_per_sequence_is_found_and_refused_by_the_cuda_rule():
+def test_a_block_mask_per_sequence_built_outside_is_not_refused_by_the_cuda_rule():
+    """One mask a sequence (B > 1), read as a constant: refused until it trained right on an H100
+    (tests/gpu/test_flex_attention_cuda.py, RESULTS.md 2026-12-06); a built-in mask still is."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from fsg._src.backend import flex_attention as backend_flex
@@ -205,11 +207,7 @@ def test_a_block_mask_per_sequence_is_found_and_refused_by_the_cuda_rule():
     per_sequence = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv >= b), 2, None, 32, 32, device="cpu")
     gm = _flex_llama_eval_graph(attention_mask=per_sequence)
     assert backend_flex.block_masks_built_in_graph(gm) == []
-    assert len(backend_flex.per_sequence_block_masks(gm)) == 2
-    shared = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
-    assert backend_flex.per_sequence_block_masks(_flex_llama_eval_graph(attention_mask=shared)) == []
-    with pytest.raises(fsg.UnsupportedError, match="a BlockMask with a batch dim"):
-        backend_flex.refuse_block_masks_built_in_graph(gm, devices=("cpu",))
+    backend_flex.refuse_block_masks_built_in_graph(gm, devices=("cpu",))  # the CUDA rule, on this graph: passes
 
 
 def test_a_hugging_face_model_with_an_outside_block_mask_evaluates_as_eager():

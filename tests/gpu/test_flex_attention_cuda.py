@@ -59,11 +59,12 @@ def test_flex_attention_steps_as_eager(backend, mask):
     _sgd_step_matches_eager(loss_fn, init, torch.randn(2, 256, 64, device="cuda"), backend)  # slopes: read by ALiBi only
 
 
-@pytest.mark.parametrize("mask", ["own", "outside"])
+@pytest.mark.parametrize("mask", ["own", "outside", "outside_per_sequence"])
 def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
     """``own``: the model builds its causal mask in each forward, which fsg computes once when
     it traces the step (trace/block_masks.py); ``outside``: the causal BlockMask passed as
-    the model's ``attention_mask``. The reference is the model's eager call (its own mask)."""
+    the model's ``attention_mask``; ``outside_per_sequence``: a mask per sequence (packed
+    documents, split differently in each). The reference is the model's eager call."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     model = flex_llama(256).cuda()
@@ -71,6 +72,10 @@ def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
     kwargs = {}
     if mask == "outside":
         kwargs["attention_mask"] = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cuda")
+    if mask == "outside_per_sequence":
+        document = torch.stack([torch.arange(128, device="cuda") // 48, torch.arange(128, device="cuda") // 80])
+        keep = lambda b, h, q, kv: (q >= kv) & (document[b, q] == document[b, kv])  # noqa: E731
+        kwargs["attention_mask"] = create_block_mask(keep, 2, None, 128, 128, device="cuda")
 
     def loss_fn(params, ids):
         return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
@@ -127,7 +132,6 @@ def test_each_refused_block_mask_condition_alone(monkeypatch, where):
     from fsg._src.backend import flex_attention as backend_flex
 
     monkeypatch.setattr(backend_flex, "REFUSE_BUILT_IN_GRAPH", False)
-    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 192).cuda()
     per_sequence = where.endswith("per_sequence")
@@ -145,5 +149,23 @@ def test_each_refused_block_mask_condition_alone(monkeypatch, where):
     def loss_fn(params, x):
         q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
         return flex_attention(q, k, v, block_mask=outside if outside is not None else mask(x)).square().mean()
+
+    _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
+
+
+def test_scalar_constants_in_the_mask_and_score_functions_train_as_eager():
+    """``lengths[0]`` in ``mask_mod`` and ``torch.tensor(0.5)`` in ``score_mod``: constants of their
+    subgraphs, made ops in stage 1 (trace/subgraph_constants.py); Inductor failed on them before."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192).cuda()
+    lengths = torch.tensor([200, 100], device="cuda")
+    block_mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[0]), 2, None, 256, 256, device="cuda")
+
+    def loss_fn(params, x):
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        score_mod = lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5, device="cuda")  # noqa: E731
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).square().mean()
 
     _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))

@@ -13,10 +13,14 @@
   require grad (``captured_grads_when_run_eagerly``).
 - On CUDA under Inductor, a block mask the step computes from its inputs (a padding mask from
   the batch; masks from constants alone were computed once in stage 1,
-  ``trace/block_masks.py``) or one per sequence is refused
-  (``refuse_block_masks_built_in_graph``): fsg's Inductor step computed wrong gradients with a
-  mask built in the step for each sequence on an H100 (torch 2.11), while a causal mask for every
-  sequence read as a constant trains correctly.
+  ``trace/block_masks.py``) is refused (``refuse_block_masks_built_in_graph``): fsg's Inductor
+  step computed wrong gradients with a mask built in the step for each sequence on an H100
+  (torch 2.11), while masks read as constants, one for all sequences or one each, train
+  correctly.
+- Under Inductor (any device), a tensor constant with elements made inside a ``mask_mod`` or
+  ``score_mod`` is refused by name (``refuse_subgraph_tensor_constants``): Inductor's second
+  trace of the subgraph fails inside torch on it. Scalar ones (``lengths[0]``) were made ops in
+  stage 1 (``trace/subgraph_constants.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import fx
 
 from fsg._src import _torch_private, graph_facts
 from fsg._src.errors import UnsupportedError
-from fsg._src.trace import block_masks, purity
+from fsg._src.trace import block_masks, purity, subgraph_constants
 
 FLEX_ATTENTION = "flex_attention"
 
@@ -119,47 +123,49 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
 
 # Refused on CUDA under Inductor: a block mask the step computes (measured wrong: the gradients of
 # a Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
-# once, on an H100 with torch 2.11), and a mask with a batch dim (B > 1 in create_block_mask: one
-# mask a sequence), which the failing mask also had: a GPU run has not separated the two
-# (tests/gpu/test_flex_attention_cuda.py turns each off to check it; RESULTS.md, 2026-12-06).
+# once, on an H100 with torch 2.11). A mask per sequence (B > 1), which the failing mask also was,
+# was refused too until it trained right alone, built outside the step (H100, 2026-12-06).
 REFUSE_BUILT_IN_GRAPH = True
-REFUSE_PER_SEQUENCE = True
-
-
-def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
-    """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
-    its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]``)."""
-    return [node for node, _, tensors in block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
 
 
 def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
-    mask the step builds (``block_masks_built_in_graph``) or one with a batch dim
-    (``per_sequence_block_masks``), as ``REFUSE_BUILT_IN_GRAPH`` and ``REFUSE_PER_SEQUENCE``
-    say. On CUDA, fsg's Inductor step computed wrong gradients for a mask that was both (a
-    Hugging Face Llama with ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the
-    loss right or nearly, the gradients off by 60% to 2,400% of their norm, changing from run to
-    run; ``aot_eager``, ``torch.compile`` of the same model, and fsg's Inductor step with a
-    causal mask for every sequence built outside it all right). Not root-caused: refused, not run."""
-    found = []
-    if REFUSE_BUILT_IN_GRAPH:
-        found += [(n, "a BlockMask built inside the step from its inputs (create_block_mask over a mask read from the "
-                      "batch or the parameters: a Hugging Face model given a padding attention_mask builds one; a mask "
-                      "built from constants alone is computed once and read as a constant)")
-                  for n in block_masks_built_in_graph(gm)]  # fmt: skip
-    if REFUSE_PER_SEQUENCE:
-        found += [(n, "a BlockMask with a batch dim (B > 1 in create_block_mask: a mask per sequence)")
-                  for n in per_sequence_block_masks(gm)]  # fmt: skip
-    found = [(n, why) for n, why in found if n.args[0].meta["val"].device.type in devices]
-    if not found:
+    mask the step builds (``block_masks_built_in_graph``), while ``REFUSE_BUILT_IN_GRAPH``. On
+    CUDA, fsg's Inductor step computed wrong gradients for such a mask (a Hugging Face Llama with
+    ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the loss right or nearly, the
+    gradients off by 60% to 2,400% of their norm, changing from run to run; ``aot_eager``,
+    ``torch.compile`` of the same model, and fsg's Inductor step with the mask built outside it
+    all right). Not root-caused: refused, not run."""
+    found = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
+    if not REFUSE_BUILT_IN_GRAPH or not found:
         return
-    first, why = next(((n, why) for n, why in found if _is_flex(n)), found[0])
+    first = next((n for n in found if _is_flex(n)), found[0])
     raise UnsupportedError(
-        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads {why}, on "
-        f"{first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: its Inductor step computed "
-        "wrong gradients with a mask built inside the step for each sequence (torch 2.11, H100), and right ones with a "
-        "causal mask for every sequence read as a constant. Pass backend='aot_eager' (correct, slower), or build the "
-        "mask outside loss_fn, with B=None where the sequences share it, and use it there (captured, or a Hugging Face "
-        "model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')) "
-        "(docs/models.md#flexattention-and-other-higher-order-operators)."
+        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads a BlockMask built inside the step from its "
+        "inputs (create_block_mask over a mask read from the batch or the parameters: a Hugging Face model given a "
+        "padding attention_mask builds one; a mask built from constants alone is computed once and read as a "
+        f"constant), on {first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: its Inductor "
+        "step computed wrong gradients with a mask built inside the step (torch 2.11, H100), and right ones with the "
+        "mask built outside. Pass backend='aot_eager' (correct, slower), or build the mask outside loss_fn and use it "
+        "there (captured, or a Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, "
+        "device='cuda')) (docs/models.md#flexattention-and-other-higher-order-operators)."
+    )
+
+
+def refuse_subgraph_tensor_constants(gm: fx.GraphModule) -> None:
+    """Raises ``UnsupportedError`` where a subgraph of ``gm`` (a FlexAttention ``mask_mod`` or
+    ``score_mod``) makes a tensor constant with elements (``subgraph_constants.constants_left``):
+    Inductor traces the subgraph again with functionalization and torch fails there
+    ("Attempting to use FunctionalTensor on its own", torch 2.11 and 2.13)."""
+    left = subgraph_constants.constants_left(gm)
+    if not left:
+        return
+    name, value = left[0]
+    readers = [n for n in gm.graph.nodes if any(a.op == "get_attr" and a.target == name for a in n.all_input_nodes)]
+    where = purity.user_frame_of_node(readers[0]) if readers else f"the subgraph {name}"
+    raise UnsupportedError(
+        f"fsg: the {'mask_mod' if 'mask' in name else 'score_mod'} of the FlexAttention at {where} makes a tensor "
+        f"constant ({value.dtype}, shape {list(value.shape)}) inside its body (torch.tensor(...) in the function): "
+        "under backend='inductor' torch cannot trace it a second time. Make the tensor outside the function (in "
+        "loss_fn, or once before it) and read it there, captured; or pass backend='aot_eager'."
     )

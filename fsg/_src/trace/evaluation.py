@@ -18,7 +18,7 @@ from torch import fx
 from fsg._src import functional, graph_facts, tree
 from fsg._src.errors import FsgError, ImpureLossError, LossNotScalarError
 from fsg._src.precision import Policy
-from fsg._src.trace import block_masks, markers, purity, random
+from fsg._src.trace import block_masks, markers, purity, random, subgraph_constants
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.trace.tracing import TracedStep
 from fsg._src.train_state import TrainState
@@ -124,6 +124,7 @@ def trace_eval(
             "batch in place; see ev.lower(state, batch).as_text('traced') for the op."
         )
     _drop_unwritten_clones(gm)
+    subgraph_constants.inline_scalar_constants(gm)  # a mask_mod's lengths[0]: Inductor's retrace fails on it
     block_masks.fold(gm)  # a FlexAttention block mask built from constants: computed once
     gm.meta["num_state_leaves"] = n_state
     return TracedEval(TracedStep(gm, n_state, found["names"], donate=False), found["single"])

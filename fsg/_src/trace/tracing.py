@@ -25,6 +25,7 @@ from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy, at_least_float32
 from fsg._src.trace import accumulation, block_masks, epilogue, loss_output, markers, purity, random, resilience
 from fsg._src.trace.fused_loss import FusedLoss
+from fsg._src.trace.subgraph_constants import inline_scalar_constants
 from fsg._src.train_state import TrainState
 
 LossFn = Callable[..., Any]
@@ -269,6 +270,7 @@ def trace(
     # a module buffer written but not in the state, a parameter read outside fsg.apply: refused by name
     purity.check_constants(gm, lambda op: purity.locate(loss_fn, state.params, batch, state.buffers, op))
     gm = epilogue.functionalize(gm, donate=donate, decompositions=decompositions)
+    inline_scalar_constants(gm)  # a mask_mod's lengths[0]: Inductor's retrace fails on it
     if folded := block_masks.fold(gm):
         log.info("fsg: stage 1: %d FlexAttention call(s) read a block mask computed once, not each step", folded)
     gm.meta["num_state_leaves"] = n_state  # where the inputs turn from state to batch (Lowered.memory)
