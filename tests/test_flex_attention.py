@@ -189,12 +189,30 @@ def test_a_block_mask_built_from_the_batch_is_found_and_one_built_outside_is_not
     assert backend_flex.block_masks_built_in_graph(_flex_llama_eval_graph()) == []  # its causal mask: a constant
     causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 32, 32, device="cpu")
     assert backend_flex.block_masks_built_in_graph(_flex_llama_eval_graph(attention_mask=causal)) == []
-    backend_flex.refuse_block_masks_built_in_graph(inside)  # CPU: compiled
+    backend_flex.refuse_block_masks_built_in_graph(inside, devices=("cuda",))  # a CPU graph: not the CUDA rule's
     with pytest.raises(fsg.UnsupportedError) as err:
-        backend_flex.refuse_block_masks_built_in_graph(inside, devices=("cpu",))  # the CUDA rule, on this graph
+        backend_flex.refuse_block_masks_built_in_graph(inside)
     message = str(err.value)
     assert "FlexAttention at " in message and "BlockMask built inside the step from its inputs" in message
+    assert "CPU Inductor cannot compile" in message
     assert "attention_mask=create_block_mask" in message and "backend='aot_eager'" in message
+
+
+def test_an_evaluation_step_over_a_block_mask_from_the_batch_is_refused_under_inductor_and_runs_under_aot_eager():
+    """torch's CPU Inductor fails to lower it ("NoValidChoicesError"): refused by name instead."""
+    lin = torch.nn.Linear(64, 3 * H * D)
+
+    def evaluate(params, x):
+        lengths = (x[:, :, 0] > 0).sum(1) + 8
+        mask = flex.create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, T, T, device="cpu")
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        return flex.flex_attention(q, k, v, block_mask=mask).float()
+
+    params, x = {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, T, 64)
+    state = fsg.compile_step(evaluate, optimizer=fsg.optim.sgd(0.1)).init(params)
+    with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step from its inputs"):
+        fsg.compile_eval(evaluate)(state, x)
+    torch.testing.assert_close(fsg.compile_eval(evaluate, backend="aot_eager")(state, x), evaluate(params, x))
 
 
 def test_a_block_mask_per_sequence_built_outside_is_not_refused_by_the_cuda_rule():
@@ -207,7 +225,7 @@ def test_a_block_mask_per_sequence_built_outside_is_not_refused_by_the_cuda_rule
     per_sequence = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv >= b), 2, None, 32, 32, device="cpu")
     gm = _flex_llama_eval_graph(attention_mask=per_sequence)
     assert backend_flex.block_masks_built_in_graph(gm) == []
-    backend_flex.refuse_block_masks_built_in_graph(gm, devices=("cpu",))  # the CUDA rule, on this graph: passes
+    backend_flex.refuse_block_masks_built_in_graph(gm)  # passes
 
 
 def test_a_hugging_face_model_with_an_outside_block_mask_evaluates_as_eager():

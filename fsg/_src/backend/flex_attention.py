@@ -11,12 +11,12 @@
 - On CPU, Inductor without epilogue fusion (``has_cpu_flex_attention``).
 - Run op by op (``eager``, ``aot_eager``), the captured tensors whose gradients the graph reads
   require grad (``captured_grads_when_run_eagerly``).
-- On CUDA under Inductor, a block mask the step computes from its inputs (a padding mask from
-  the batch; masks from constants alone were computed once in stage 1,
-  ``trace/block_masks.py``) is refused (``refuse_block_masks_built_in_graph``): fsg's Inductor
-  step computed wrong gradients with a mask built in the step for each sequence on an H100
-  (torch 2.11), while masks read as constants, one for all sequences or one each, train
-  correctly.
+- Under Inductor, a block mask the step computes from its inputs (a padding mask from the
+  batch; masks from constants alone were computed once in stage 1, ``trace/block_masks.py``) is
+  refused (``refuse_block_masks_built_in_graph``): on CUDA fsg's Inductor step computed wrong
+  gradients with a mask built in the step for each sequence on an H100 (torch 2.11), while masks
+  read as constants, one for all sequences or one each, train correctly; on CPU Inductor cannot
+  lower it.
 - Under Inductor (any device), a tensor constant with elements made inside a ``mask_mod`` or
   ``score_mod`` is refused by name (``refuse_subgraph_tensor_constants``): Inductor's second
   trace of the subgraph fails inside torch on it. Scalar ones (``lengths[0]``) were made ops in
@@ -121,34 +121,40 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     return [node for node, _, tensors in block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
 
 
-# Refused on CUDA under Inductor: a block mask the step computes (measured wrong: the gradients of
-# a Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
-# once, on an H100 with torch 2.11). A mask per sequence (B > 1), which the failing mask also was,
-# was refused too until it trained right alone, built outside the step (H100, 2026-12-06).
+# Refused under Inductor: a block mask the step computes. On CUDA measured wrong (the gradients of a
+# Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
+# once, on an H100 with torch 2.11); a mask per sequence (B > 1), which the failing mask also was,
+# was refused too until it trained right alone, built outside the step (H100, 2026-12-06). On CPU
+# Inductor cannot lower it (torch 2.13: "NoValidChoicesError" from the CPU template).
 REFUSE_BUILT_IN_GRAPH = True
+_WHY = {
+    "cuda": "its Inductor step computed wrong gradients with a mask built inside the step (torch 2.11, H100), and "
+    "right ones with the mask built outside",
+    "cpu": "torch's CPU Inductor cannot compile FlexAttention over a mask computed in the graph (NoValidChoicesError)",
+}
 
 
-def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
+def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda", "cpu")) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
     mask the step builds (``block_masks_built_in_graph``), while ``REFUSE_BUILT_IN_GRAPH``. On
     CUDA, fsg's Inductor step computed wrong gradients for such a mask (a Hugging Face Llama with
     ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the loss right or nearly, the
     gradients off by 60% to 2,400% of their norm, changing from run to run; ``aot_eager``,
     ``torch.compile`` of the same model, and fsg's Inductor step with the mask built outside it
-    all right). Not root-caused: refused, not run."""
+    all right; not root-caused); on CPU Inductor fails to lower it."""
     found = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
     if not REFUSE_BUILT_IN_GRAPH or not found:
         return
     first = next((n for n in found if _is_flex(n)), found[0])
+    device = first.args[0].meta["val"].device.type
     raise UnsupportedError(
         f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads a BlockMask built inside the step from its "
         "inputs (create_block_mask over a mask read from the batch or the parameters: a Hugging Face model given a "
         "padding attention_mask builds one; a mask built from constants alone is computed once and read as a "
-        f"constant), on {first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: its Inductor "
-        "step computed wrong gradients with a mask built inside the step (torch 2.11, H100), and right ones with the "
-        "mask built outside. Pass backend='aot_eager' (correct, slower), or build the mask outside loss_fn and use it "
-        "there (captured, or a Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, "
-        "device='cuda')) (docs/models.md#flexattention-and-other-higher-order-operators)."
+        f"constant), on {device} under backend='inductor'. fsg refuses it: {_WHY.get(device, _WHY['cuda'])}. Pass "
+        "backend='aot_eager' (correct, slower), or build the mask outside loss_fn and use it there (captured, or a "
+        "Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')) "
+        "(docs/models.md#flexattention-and-other-higher-order-operators)."
     )
 
 
