@@ -134,14 +134,62 @@ _WHY = {
 }
 
 
-def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda", "cpu")) -> None:
+# On: each block-mask tensor the step computes reaches the CUDA FlexAttention kernels as a contiguous
+# buffer of its own (``contiguous_block_masks``), and such masks are not refused on CUDA. Inductor's
+# templates index them as contiguous ("KV_IDX and KV_NUM_BLKS are always contiguous": the batch
+# offset is ``b * H * stride(1)``, ``stride(0)`` never read) but ask only a unit last stride of them
+# (``realize_inputs``), so a computed tensor laid out otherwise (a batch dim of stride 0: one mask
+# expanded over the sequences) is read at wrong offsets for every sequence but the first. Off until
+# measured on a GPU.
+CONTIGUOUS_BLOCK_MASKS = False
+
+
+@torch.library.custom_op("fsg::contiguous_block_mask", mutates_args=())
+def contiguous_block_mask(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``x`` that Inductor keeps as it is: an opaque op's output has the
+    strides of its fake (``aten.clone`` would be removed as a no-op, or its layout chosen)."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@contiguous_block_mask.register_fake
+def _(x):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def contiguous_block_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> int:
+    """Rewrites ``gm`` in place while ``CONTIGUOUS_BLOCK_MASKS``: each FlexAttention call on ``devices``
+    (forward and backward) reads each block-mask tensor the graph computes through
+    ``fsg::contiguous_block_mask`` (one copy a tensor, shared by the calls). Returns how many."""
+    if not CONTIGUOUS_BLOCK_MASKS:
+        return 0
+    copies: dict[fx.Node, fx.Node] = {}
+    for node, i, _ in list(block_masks.block_mask_args(gm)):
+        if node.args[0].meta["val"].device.type not in devices:
+            continue
+        items = list(node.args[i])
+        for j, t in enumerate(items):
+            if isinstance(t, fx.Node) and t.op == "call_function":
+                if t not in copies:
+                    with gm.graph.inserting_after(t):
+                        copies[t] = gm.graph.call_function(torch.ops.fsg.contiguous_block_mask.default, (t,))
+                    copies[t].meta = {"val": contiguous_block_mask(t.meta["val"])}
+                items[j] = copies[t]
+        node.args = (*node.args[:i], tuple(items), *node.args[i + 1 :])
+    if copies:
+        gm.recompile()
+    return len(copies)
+
+
+def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] | None = None) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
     mask the step builds (``block_masks_built_in_graph``), while ``REFUSE_BUILT_IN_GRAPH``. On
     CUDA, fsg's Inductor step computed wrong gradients for such a mask (a Hugging Face Llama with
     ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the loss right or nearly, the
     gradients off by 60% to 2,400% of their norm, changing from run to run; ``aot_eager``,
     ``torch.compile`` of the same model, and fsg's Inductor step with the mask built outside it
-    all right; not root-caused); on CPU Inductor fails to lower it."""
+    all right; ``CONTIGUOUS_BLOCK_MASKS`` is the candidate fix); on CPU Inductor fails to lower it.
+    ``devices``: by default CPU, and CUDA unless ``CONTIGUOUS_BLOCK_MASKS``."""
+    devices = devices or (("cpu",) if CONTIGUOUS_BLOCK_MASKS else ("cpu", "cuda"))
     found = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
     if not REFUSE_BUILT_IN_GRAPH or not found:
         return

@@ -107,6 +107,8 @@ class InductorStep:
             log.info("fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)", rewritten)
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
             log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
+        if rewritten := flex_attention.contiguous_block_masks(gm):
+            log.info("fsg: stage 4: %d block-mask tensor(s) copied contiguous for FlexAttention's kernels", rewritten)
         if rewritten := flex_attention.own_buffers_for_cpu_flex_attention(gm):
             log.info("fsg: stage 4: %d CPU flex_attention call(s) given own query, key and value buffers", rewritten)
         self._gm = gm
