@@ -124,9 +124,10 @@ def test_a_block_mask_from_the_batch_is_refused_under_inductor():
     ],
 )
 def test_each_refused_block_mask_condition_alone(monkeypatch, where):
-    """backend/flex_attention.py refuses a mask built inside the step and a mask per sequence:
-    the Hugging Face mask measured wrong was both. Each alone, with its refusal off: where this
-    passes on a GPU, that refusal can go (RESULTS.md, 2026-12-06)."""
+    """The Hugging Face mask measured wrong was built inside the step and per sequence. Each
+    alone, with the refusal off. On an H100 (2026-12-06) ``outside_per_sequence`` passed (so a
+    mask per sequence is no longer refused), ``inside_shared`` failed inside Inductor on the
+    ``lengths[0]`` constant of its mask function (made an op since: trace/subgraph_constants.py)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fsg._src.backend import flex_attention as backend_flex
@@ -167,5 +168,38 @@ def test_scalar_constants_in_the_mask_and_score_functions_train_as_eager():
         q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
         score_mod = lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5, device="cuda")  # noqa: E731
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).square().mean()
+
+    _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
+
+
+@pytest.mark.parametrize("where", ["hf_own_unfolded", "inside_per_sequence", "from_the_batch"])
+def test_block_masks_computed_in_the_step_train_as_eager_with_contiguous_copies(monkeypatch, where):
+    """``CONTIGUOUS_BLOCK_MASKS`` (backend/flex_attention.py, off): the candidate fix of the wrong
+    gradients with a mask computed in the step (Inductor's templates index the mask's tensors as
+    contiguous, asking only a unit last stride). Not yet run on a GPU when written: where it
+    passes, the flag goes on and the CUDA refusal goes."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from fsg._src.backend import flex_attention as backend_flex
+    from fsg._src.trace import block_masks
+
+    monkeypatch.setattr(backend_flex, "CONTIGUOUS_BLOCK_MASKS", True)
+    if where == "hf_own_unfolded":  # the failing case: the model's causal mask left in the step
+        monkeypatch.setattr(block_masks, "fold", lambda gm: 0)
+        model = flex_llama(256).cuda()
+        init = {k: v.detach() for k, v in fsg.params(model).items()}
+        ids = torch.randint(0, 100, (2, 128), device="cuda")
+        _sgd_step_matches_eager(lambda p, ids: fsg.apply(model, p, input_ids=ids, labels=ids).loss, init, ids)
+        return
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192).cuda()
+
+    def loss_fn(params, x):
+        lengths = (x[:, :, 0] > -1e4).sum(1) - torch.arange(2, device="cuda") * 156  # 256 and 100
+        if where == "from_the_batch":
+            lengths = (x[:, :, 0] > 0).sum(1) + 8
+        mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, 256, 256, device="cuda")
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v, block_mask=mask).square().mean()
 
     _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
