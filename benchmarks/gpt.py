@@ -90,6 +90,8 @@ Implementations (--impl):
   any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
             kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
             attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
+  any fsg-fp8 implementation + -auto   Float8(filter="auto"): the layers kept in bf16 chosen
+            by the cost model measured on this GPU at compile time (passes/float8_cost.py)
   any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
             software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
             fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
@@ -207,6 +209,8 @@ def run_torch(impl: str, args) -> dict:
         from fsg._src.kernels import float8_cast_kernel
         from fsg._src.passes import float8_fuse, pack_attention_grads
 
+        auto_filter = impl.endswith("-auto")
+        impl = impl.removesuffix("-auto")
         keep_attn_proj = impl.endswith("-bf16proj")
         impl = impl.removesuffix("-bf16proj")
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
@@ -259,6 +263,8 @@ def run_torch(impl: str, args) -> dict:
         })  # fmt: skip
         if keep_attn_proj and matmul is not None:  # the attention's output projection in bf16
             matmul = fsg.Float8(**{**matmul._asdict(), "filter": lambda name: ".attn.proj." not in name})
+        if auto_filter and matmul is not None:  # the layers chosen by the cost model, measured on this GPU
+            matmul = fsg.Float8(**{**matmul._asdict(), "filter": "auto"})
         fstep = fsg.compile_step(
             loss_fn,
             optimizer=adamw,
@@ -284,6 +290,11 @@ def run_torch(impl: str, args) -> dict:
     handler.emit = lambda record: stages.append(record.getMessage())
     logging.getLogger("fsg").addHandler(handler)
     logging.getLogger("fsg").setLevel(logging.INFO)
+    if impl.endswith("-auto"):  # Float8(filter="auto"): its decision and each kept layer's figures, to stderr
+        decisions = logging.StreamHandler(sys.stderr)
+        decisions.addFilter(lambda r: "filter='auto') on" in r.getMessage() or "its FP8 GEMMs save" in r.getMessage())
+        logging.getLogger("fsg").addHandler(decisions)
+        logging.getLogger("fsg").setLevel(logging.DEBUG)
     profile_to = os.environ.get("FSG_PROFILE_FIRST_CALL")  # a path: cProfile of the first call
     if profile_to:
         import cProfile

@@ -10,7 +10,7 @@ from fsg._src import checks
 
 class _Float8Fields(NamedTuple):
     recipe: str
-    filter: Callable[[str], bool] | None
+    filter: Callable[[str], bool] | str | None
     keep_output_head: bool
     grad_weight: str | None
     all_gather: str
@@ -30,9 +30,12 @@ class Float8(_Float8Fields):
         each output or input channel of the weight), everything in ``float8_e4m3fn``; the
         forward and grad-input matmuls in FP8, the grad-weight in the compute dtype unless
         ``grad_weight="fp8"``; needs ``compute=torch.bfloat16``.
-      filter: ``None`` (every eligible linear layer) or a callable ``filter(name) -> bool``
+      filter: ``None`` (every eligible linear layer), a callable ``filter(name) -> bool``
         deciding per layer, given its weight's name as ``fsg.params`` spells it
-        (``"blocks.0.fc.weight"``); ``False`` keeps that layer in the compute dtype.
+        (``"blocks.0.fc.weight"``; ``False`` keeps that layer in the compute dtype), or
+        ``"auto"``: a cost model measured on the step's device when the step compiles keeps
+        each layer whose FP8 GEMMs would save less than its casts cost, counting a cast fused
+        into its producer at its write alone (docs/precision.md#the-cost-model).
       keep_output_head: keep the output head in the compute dtype: the matmul the loss is
         computed from through pointwise ops, views, reductions, softmax and losses only, found
         by data flow (docs/precision.md#which-matmuls).
@@ -63,7 +66,7 @@ class Float8(_Float8Fields):
 
     __slots__ = ()
 
-    def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | None = None,
+    def __new__(cls, recipe: str = "tensorwise", filter: Callable[[str], bool] | str | None = None,
                 keep_output_head: bool = True, grad_weight: str | None = None,
                 all_gather: str = "compute", fast_accum: tuple[str, ...] = ("forward",)) -> Float8:  # fmt: skip
         if isinstance(fast_accum, str):
@@ -92,8 +95,11 @@ def check_float8(cfg: Any) -> Float8:
     if cfg.recipe not in FLOAT8_RECIPES:
         raise checks.fail("fsg.Float8(recipe=...)", f"must be one of {FLOAT8_RECIPES}", cfg.recipe,
                           "E.g. recipe='tensorwise'")  # fmt: skip
-    if cfg.filter is not None:
-        checks.function("fsg.Float8(filter=...)", cfg.filter, fix="Pass None or a function of the weight's name")
+    if isinstance(cfg.filter, str) and cfg.filter != "auto":
+        raise checks.fail("fsg.Float8(filter=...)", "must be None, 'auto' or a function of the weight's name",
+                          cfg.filter, "E.g. filter='auto'")  # fmt: skip
+    if cfg.filter is not None and cfg.filter != "auto":
+        checks.function("fsg.Float8(filter=...)", cfg.filter, fix="Pass None, 'auto' or a function of the weight's name")
     checks.flag("fsg.Float8(keep_output_head=...)", cfg.keep_output_head)
     if cfg.grad_weight not in FLOAT8_GRAD_WEIGHTS:
         raise checks.fail("fsg.Float8(grad_weight=...)", f"must be one of {FLOAT8_GRAD_WEIGHTS}", cfg.grad_weight,

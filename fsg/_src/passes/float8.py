@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -31,6 +33,7 @@ from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
 from fsg._src.float8_config import Float8
+from fsg._src.passes import float8_cost
 from fsg._src.passes.float8_quantize import Quantizer, flipped, fsdp_gathers, operands, peel
 
 log = logging.getLogger("fsg")
@@ -214,7 +217,7 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         why = "it reads no parameter (not a linear layer)" if name is None else None
         if why is None and node in heads:
             why = "it is the output head (Float8(keep_output_head=True))"
-        elif why is None and at.config.filter is not None and not at.config.filter(name):
+        elif why is None and callable(at.config.filter) and not at.config.filter(name):
             why = f"Float8(filter=...) returned False for {name!r}"
         layers[node] = _Layer(node, x, w, name, why)
     by_saved: dict[fx.Node, list[_Layer]] = {}  # a tensor the forward saved -> the layers reading it
@@ -237,6 +240,8 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         if candidates:
             roles[node] = (candidates, grads, saved is candidates[0].x)
     rowwise = at.config.recipe == "rowwise"
+    if at.config.filter == "auto":
+        layers, roles = float8_cost.apply(matmuls, layers, roles, at.config, partial(_why_not_op, rowwise=rowwise))
     batch = _batch_dependent(graph, placeholders[at.first_batch_input:]) if at.amax_groups else set()
     kept: dict[tuple[str, torch.dtype], list[str]] = {}  # (why, dtype) -> the matmuls that stay for it
     todo: list[tuple[fx.Node, tuple[bool, bool], bool]] = []  # (matmul, grads, fast accumulation)
@@ -259,7 +264,8 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
         if why is not None:
             shapes = " x ".join(str(list(o.meta["val"].shape)) for o in node.all_input_nodes)
             log.debug("fsg: float8: %s (%s) stays in %s: %s", node.name, shapes, node.meta["val"].dtype, why)
-            kept.setdefault((why, node.meta["val"].dtype), []).append(f"{node.name} ({shapes})")
+            reason = re.sub(r"its layer \([^)]*\) stays", "its layer stays", why)  # (INFO: a line a reason)
+            kept.setdefault((reason, node.meta["val"].dtype), []).append(f"{node.name} ({shapes})")
             continue
         todo.append((node, grads, fast))
     reads_flipped = flipped([node for node, _, _ in todo]) if rowwise else set()
@@ -281,3 +287,4 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
     gm.recompile()
     summary = f"{len(todo)} of {len(matmuls)} matmuls in FP8"
     return summary + (f", {len(gathered)} weight{'s' * (len(gathered) > 1)} gathered in FP8" if gathered else "")
+

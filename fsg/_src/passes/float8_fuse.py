@@ -105,19 +105,10 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     rows), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
     sums in one kernel: the op becomes the fused op, whose copy and inverse scales are ``t``'s
     cast, and each ``sum(t, [0])`` reads the fused column sums."""
-    producer = t
-    while producer.op == "call_function" and producer.target in _FLATTENS:
-        producer = producer.args[0]
-    if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS:
+    match = producer_match(t)
+    if match is None:
         return
-    g_val, t_val = producer.meta["val"], t.meta["val"]
-    if g_val.dim() < 2 or t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1]:
-        return
-    if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
-        return
-    args = fused_args(producer)
-    if args is None:
-        return
+    producer, args = match
     column_amax = FUSE_COLUMN_AMAX and rows_base(t) is producer and producer in q.flipped
     with q.graph.inserting_before(producer.next):
         fused = q.call(FUSED_OPS[producer.target], (*args, column_amax))
@@ -138,25 +129,11 @@ def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     dim in half precision: the norm becomes ``fsg::layer_norm_fp8``, whose FP8 copy and inverse
     scales are ``t``'s cast and whose ``y``, mean and rstd the norm's readers (the norm's
     backward among them) read instead."""
-    y = t
-    while y.op == "call_function" and y.target in _FLATTENS:
-        y = y.args[0]
-    if not (y.op == "call_function" and y.target is operator.getitem and y.args[1] == 0):
+    y = layer_norm_match(t)
+    if y is None:
         return
     norm = y.args[0]
-    if not (isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target is LAYER_NORM):
-        return
-    if norm.kwargs or len(norm.args) != 5:
-        return
-    x, shape, weight, bias, eps = norm.args
-    x_val, t_val = x.meta["val"], t.meta["val"]
-    N = x_val.shape[-1] if x_val.dim() else None
-    if list(shape) != [N] or x_val.dtype not in layer_norm_fp8.DTYPES or not x_val.is_contiguous():
-        return
-    if t_val.dim() != 2 or t_val.shape[1] != N or not all(isinstance(u.args[1], int) for u in norm.users):
-        return
-    if any(v is not None and (not isinstance(v, fx.Node) or tuple(v.meta["val"].shape) != (N,)) for v in (weight, bias)):
-        return
+    x, _, weight, bias, eps = norm.args
     add = residual_add(x, norm) if FUSE_RESIDUAL_ADDS else None
     with q.graph.inserting_before(norm):
         if add is None:
@@ -172,6 +149,66 @@ def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     rows = out["y"] if t is y else t  # a 2-D norm's output is t itself: its readers now read y
     for key in {(t, False, dtype), (rows, False, dtype)}:
         q.casts[key], q.scales[key] = out["q"], out["inv"]
+
+
+def fusable(t: fx.Node, dtype: torch.dtype) -> str | None:
+    """What ``fuse`` would compute ``t``'s row-major rowwise cast in (``"layer norm"``, a
+    producer's op name, ``"column sums"``), or ``None`` for the generic cast: the graph is not
+    changed (``passes/float8_cost.py`` prices a fused cast by the bytes it adds)."""
+    if dtype != float8_cast.E4M3:
+        return None
+    if FUSE_LAYER_NORMS and layer_norm_match(t) is not None:
+        return "layer norm"
+    if FUSE_PRODUCERS and (match := producer_match(t)) is not None:
+        return str(match[0].target)
+    val = t.meta["val"]
+    if FUSE_COLUMN_SUMS and val.dim() == 2 and val.is_contiguous() and column_sums(t):
+        return "column sums"
+    return None
+
+
+def _unflattened(t: fx.Node) -> fx.Node:
+    while t.op == "call_function" and t.target in _FLATTENS:
+        t = t.args[0]
+    return t
+
+
+def producer_match(t: fx.Node) -> tuple[fx.Node, tuple] | None:
+    """``t``'s producer (through flattening views) and its fused op's arguments, where
+    ``fused_producer`` applies."""
+    producer = _unflattened(t)
+    if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS:
+        return None
+    g_val, t_val = producer.meta["val"], t.meta["val"]
+    if g_val.dim() < 2 or t_val.dim() != 2 or t_val.shape[1] != g_val.shape[-1]:
+        return None
+    if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
+        return None
+    args = fused_args(producer)
+    return None if args is None else (producer, args)
+
+
+def layer_norm_match(t: fx.Node) -> fx.Node | None:
+    """The norm's ``getitem(native_layer_norm(...), 0)`` ``t`` is a flattening view of, where
+    ``fused_layer_norm`` applies (normalized over the last dim, in half precision)."""
+    y = _unflattened(t)
+    if not (y.op == "call_function" and y.target is operator.getitem and y.args[1] == 0):
+        return None
+    norm = y.args[0]
+    if not (isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target is LAYER_NORM):
+        return None
+    if norm.kwargs or len(norm.args) != 5:
+        return None
+    x, shape, weight, bias, _ = norm.args
+    x_val, t_val = x.meta["val"], t.meta["val"]
+    N = x_val.shape[-1] if x_val.dim() else None
+    if list(shape) != [N] or x_val.dtype not in layer_norm_fp8.DTYPES or not x_val.is_contiguous():
+        return None
+    if t_val.dim() != 2 or t_val.shape[1] != N or not all(isinstance(u.args[1], int) for u in norm.users):
+        return None
+    if any(v is not None and (not isinstance(v, fx.Node) or tuple(v.meta["val"].shape) != (N,)) for v in (weight, bias)):
+        return None
+    return y
 
 
 def residual_add(x: fx.Node, norm: fx.Node) -> fx.Node | None:
