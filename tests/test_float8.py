@@ -886,7 +886,7 @@ def test_mlp_fp8_step_under_inductor_matches_eager():
             lambda: fsg.Policy(compute=torch.float16, matmul=fsg.Float8(recipe="rowwise")),
             r"Float8\(recipe='rowwise'\)\) needs compute=torch.bfloat16",
         ),
-        (lambda: fsg.Float8(filter="fc"), r"Float8\(filter=...\) must be callable"),
+        (lambda: fsg.Float8(filter="fc"), r"Float8\(filter=...\) must be None, 'auto' or a function"),
         (lambda: fsg.Float8(keep_output_head=None), r"Float8\(keep_output_head=...\) must be True or False"),
         (lambda: fsg.Float8(grad_weight=True), r"Float8\(grad_weight=...\) must be one of \(None, 'fp8', 'compute'\)"),
         (lambda: fsg.Float8(all_gather="e4m3"), r"Float8\(all_gather=...\) must be one of \('compute', 'fp8'\)"),
