@@ -172,3 +172,45 @@ def float8_gather_is_the_compute_gather(axes: dict, backend: str, case, fsdp_axi
     lines = [line for line in said.getvalue().splitlines() if "gather" in line]
     return {"equal": equal, "largest": largest, "losses": losses_b.tolist(), "compute": gathered_a,
             "fp8": gathered_b, "said": "\n".join(lines)}  # fmt: skip
+
+
+class _TableTimer:
+    """Every bf16 GEMM 1 s, every FP8 GEMM ``1 - saved`` s; bytes and launches free."""
+
+    name = "table"
+
+    def __init__(self, saved: float) -> None:
+        self.saved = saved
+
+    def gemm(self, m, k, n, dtype, fp8, rowwise, fast):
+        return 1.0 - self.saved if fp8 else 1.0
+
+    def bytes_per_second(self):
+        return 1e30
+
+    def launch(self):
+        return 0.0
+
+
+def float8_auto_agrees_across_ranks(axes: dict, policy: str) -> tuple[int, list[float]]:
+    """``Float8(filter="auto")`` on a mesh whose ranks measure opposite things (rank 0: FP8
+    saves time, rank 1: it costs time): the ``_scaled_mm`` count of this rank's step and its
+    losses over two steps (rank 0's choice everywhere: the steps run, their collectives match)."""
+    from fsg._src.passes import float8_cost
+
+    rank = torch.distributed.get_rank()
+    before = float8_cost.timer_for
+    float8_cost.timer_for = lambda device: _TableTimer(0.5 if rank == 0 else -0.5)
+    try:
+        recipe = "rowwise" if policy == "rowwise" else "tensorwise"
+        precision = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe=recipe, filter="auto"))
+        model = tiny_gpt()
+        step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+                                batch_sharding=fsg.P("dp"), precision=precision, backend="eager")  # fmt: skip
+        state, losses = step.init(fsg.params(model)), []
+        for batch in gpt_batches(2):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return step.lower(state, gpt_batches(1)[0]).op_counts().get("aten._scaled_mm", 0), losses
+    finally:
+        float8_cost.timer_for = before

@@ -31,6 +31,15 @@ def test_float8_on_data_parallel_and_fsdp_equals_the_unsharded_step(ranks, prese
 
 
 @pytest.mark.parametrize("policy", ["rowwise", "tensorwise"])
+def test_float8_auto_filter_takes_rank_0s_choice_on_every_rank(ranks, policy):
+    """Each rank measures its own GPU; were each to choose its own layers, the ranks' graphs,
+    and their collectives, would differ. Here rank 0 measures FP8 as faster and rank 1 as
+    slower: both run rank 0's choice (every layer in FP8), and train in step."""
+    (count0, losses0), (count1, losses1) = ranks(2).run(precision_workers.float8_auto_agrees_across_ranks, {"dp": 2}, policy)
+    assert count0 == count1 >= 8 and losses0 == losses1
+
+
+@pytest.mark.parametrize("policy", ["rowwise", "tensorwise"])
 def test_float8_under_tensor_parallel_is_refused_naming_the_parameter(ranks, policy):
     for message in ranks(2).run(precision_workers.float8_under_tensor_parallel_is_refused, {"tp": 2}, policy):
         assert message.startswith("UnsupportedError") and "is sharded where it is used" in message

@@ -21,7 +21,8 @@ This is what a per-GEMM benchmark cannot see (docs/precision.md#the-cost-model):
 pays after a fused producer and not after cuDNN's attention output. A cast read by several
 layers (the input of separate q, k and v projections) is paid once, so the layers are chosen
 together: the set whose savings minus the costs of the casts it reads is largest, exactly
-(``select``: a minimum cut). Measurements are cached per device and shape for the process.
+(``select``: a minimum cut). Measurements are cached per device and shape for the process; on
+several ranks, rank 0's choice is every rank's (``agreed``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from fsg._src.passes import float8_fuse
@@ -220,13 +222,25 @@ def _augmenting_path(cap: dict, src: Any, sink: Any) -> dict | None:
 TOL = 1e-12  # seconds: below any measured difference
 
 
+def agreed(layers: list, dropped: dict[Any, tuple[float, float]]) -> dict[Any, tuple[float, float]]:
+    """Rank 0's choice on every rank of the default process group: each rank measures its own
+    device, and a step's graphs must agree across ranks (their collectives would not match
+    otherwise). ``layers`` is in graph order, the same on every rank; all of them compile the
+    step together, as they do whenever it runs on a mesh."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dropped
+    choice = [[i for i, layer in enumerate(layers) if layer in dropped]]
+    dist.broadcast_object_list(choice, src=0)
+    return {layers[i]: dropped.get(layers[i], (math.nan, math.nan)) for i in choice[0]}
+
+
 def auto_filter(units: dict[Any, list[Matmul]], names: dict[Any, str], rowwise: bool, device: torch.device,
                 timer: Timer | None = None) -> dict[Any, str]:  # fmt: skip
     """``choose`` on ``device``'s measurements: the layers to keep in the compute dtype, each with
     ``WHY``; logs the decision (INFO: how many, DEBUG: each layer's figures)."""
     timer = timer or timer_for(device)
     t0 = time.perf_counter()
-    dropped = choose(units, rowwise, timer)
+    dropped = agreed(list(units), choose(units, rowwise, timer))
     for layer, (s, c) in dropped.items():
         log.debug("fsg: float8: %s stays: its FP8 GEMMs save %.1f us, its casts cost %.1f us", names[layer],
                   s * 1e6, c * 1e6)  # fmt: skip
