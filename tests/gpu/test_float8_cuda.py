@@ -405,3 +405,27 @@ def test_a_pipelined_row_loop_writes_what_the_plain_loop_writes(producer, stages
     for got, want in zip(run(stages), run(1), strict=True):
         assert not got.float().isnan().any()
         assert torch.equal(got, want)
+
+
+@needs_fp8
+def test_auto_filter_measured_on_the_gpu_equals_the_explicit_filter_it_chose(caplog):
+    """``Float8(filter="auto")`` under Inductor: what it measured on this GPU picks the layers
+    (logged), and the step equals, loss for loss, the one an explicit filter naming the same
+    layers compiles (the choice only selects; tests/test_float8_cost.py checks the choosing)."""
+    import logging
+    import re
+
+    batches = _cuda(_gpt_batches(3))
+    auto = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", filter="auto"))
+    step, state = _gpt(auto)
+    with caplog.at_level(logging.DEBUG, logger="fsg"):
+        step.lower(state, batches[0])
+    said = [r.getMessage() for r in caplog.records if "filter='auto') on" in r.getMessage()]
+    assert len(said) == 1 and torch.cuda.get_device_name() in said[0], said
+    stays = {m.group(1) for r in caplog.records if (m := re.search(r"float8: (\S+) stays: its FP8", r.getMessage()))}
+    other, other_state = _gpt(fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise",
+                                                                                    filter=lambda n: n not in stays)))  # fmt: skip
+    for b in batches:
+        state, metrics = step(state, b)
+        other_state, other_metrics = other(other_state, b)
+        assert torch.equal(metrics["loss"], other_metrics["loss"])
