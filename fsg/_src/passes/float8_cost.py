@@ -127,7 +127,6 @@ class Matmul(NamedTuple):
 
     node: fx.Node
     fast: bool  # its accumulation (Float8(fast_accum=...))
-    grads: tuple[bool, bool]  # which operands are gradients (rowwise: E4M3 all the same)
 
 
 def _casts(mm: Matmul) -> list[tuple[fx.Node, bool]]:
@@ -257,14 +256,14 @@ def apply(matmuls: list[fx.Node], layers: dict, roles: dict, config: Any, why_no
     units = {n: [] for n, layer in layers.items() if layer.why_not is None}
     for node in (n for n in matmuls if why_not_op(n) is None):
         if node in units:
-            units[node].append(Matmul(node, "forward" in config.fast_accum, (False, False)))
+            units[node].append(Matmul(node, "forward" in config.fast_accum))
         elif node in roles and not any(c.why_not for c in roles[node][0]):
-            candidates, grads, grad_weight = roles[node]
+            candidates, _, grad_weight = roles[node]
             if grad_weight and not config.fp8_grad_weight:
                 continue
             fast = ("grad_weight" if grad_weight else "grad_input") in config.fast_accum
             for c in candidates:
-                units[c.forward].append(Matmul(node, fast, grads))
+                units[c.forward].append(Matmul(node, fast))
     if not units:
         return layers, roles
     device = next(iter(units)).meta["val"].device
