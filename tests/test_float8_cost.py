@@ -89,6 +89,16 @@ def _two_layers(x, z, w1, w2, c1, c2):
     """Two linear layers of one shape: one reads a layer norm's output (its cast fused into the
     norm), the other a product (no fused producer)."""
     y1 = F.layer_norm(x, (x.shape[-1],)) @ w1.t()
+    return _with_plain_product(y1, x, z, w2, c1, c2)
+
+
+def _gated_and_plain(x, z, w1, w2, c1, c2):
+    """As ``_two_layers``, the first layer reading a gated MLP's product ``silu(x) * z`` (its
+    cast fused into ``silu_mul_fp8``)."""
+    return _with_plain_product((F.silu(x) * z) @ w1.t(), x, z, w2, c1, c2)
+
+
+def _with_plain_product(y1, x, z, w2, c1, c2):
     y2 = (x * z) @ w2.t()
     return ((y1.float() * c1.float()).sum() + (y2.float() * c2.float()).sum(),)
 
@@ -96,9 +106,10 @@ def _two_layers(x, z, w1, w2, c1, c2):
 R, D, N = 32, 64, 48  # tokens, the layers' input width, their output width
 
 
-def _graph():
+def _graph(first="layer norm"):
     inputs = bf16(R, D), bf16(R, D, seed=1), bf16(N, D, seed=2), bf16(N, D, seed=3), bf16(R, N, seed=4), bf16(R, N, seed=5)
-    return joint(_two_layers, *inputs, grad_of=(0, 2, 3)), inputs
+    fn = _two_layers if first == "layer norm" else _gated_and_plain
+    return joint(fn, *inputs, grad_of=(0, 2, 3)), inputs
 
 
 def _rewrite(gm, filter):
@@ -115,24 +126,25 @@ def model_costs(bandwidth):
     return (R * D + 4 * R) / bandwidth + shared, unfused(R, D) + shared
 
 
+@pytest.mark.parametrize("first", ["layer norm", "gated product"])
 @pytest.mark.parametrize("where", ["below both", "between", "above both"])
-def test_a_cast_fused_into_its_producer_is_priced_at_its_write(monkeypatch, caplog, where):
+def test_a_cast_fused_into_its_producer_is_priced_at_its_write(monkeypatch, caplog, where, first):
     fused_cost, unfused_cost = model_costs(1e9)
     assert fused_cost < unfused_cost
     per_matmul = {"below both": fused_cost / 2 * 0.9, "between": (fused_cost + unfused_cost) / 4,
                   "above both": unfused_cost / 2 * 1.1}[where]  # fmt: skip
     monkeypatch.setattr(float8_cost, "timer_for", lambda device: TableTimer(per_matmul))
-    gm, inputs = _graph()
+    gm, inputs = _graph(first)
     with caplog.at_level(logging.DEBUG, logger="fsg"):
         summary = _rewrite(gm, "auto")  # rowwise: each layer's forward and grad-input in FP8
     expected = {"below both": 0, "between": 2, "above both": 4}[where]
     assert summary == f"{expected} of 6 matmuls in FP8"
-    explicit, _ = _graph()
+    explicit, _ = _graph(first)
     _rewrite(explicit, {"below both": lambda n: False, "between": lambda n: n == "w1", "above both": None}[where])
     for got, want in zip(gm(*inputs), explicit(*inputs)):
         assert torch.equal(got, want)  # the same step as the explicit filter's
     stays = {m.group(1) for r in caplog.records if (m := re.search(r"float8: (\S+) stays: its FP8", r.getMessage()))}
-    assert stays == {"below both": {"w1", "w2"}, "between": {"w2"}, "above both": set()}[where]  # w1 after the norm
+    assert stays == {"below both": {"w1", "w2"}, "between": {"w2"}, "above both": set()}[where]  # w1's cast fused
 
 
 def test_launches_count_for_unfused_casts_only(monkeypatch):

@@ -1,7 +1,7 @@
 """Rowwise FP8 (``Policy(matmul=fsg.Float8(recipe="rowwise"))``, issue 18) on models we did not
 write: every family of the Hugging Face corpus (tests/models/hf_models.py) takes one step whose
-loss and update track the bf16 step's, and the fused GELU-gradient cast
-(kernels/float8_cast.py) changes nothing where a family's MLP has one."""
+loss and update track the bf16 step's, and the fused GELU-gradient and gated-MLP casts
+(kernels/float8_cast.py, kernels/silu_fp8.py) change nothing where a family's MLP has one."""
 
 import pytest
 import torch
@@ -55,5 +55,20 @@ def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind, monkeypatch):
     monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
     plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
     assert "fsg.gelu_backward_fp8" not in plain_counts
+    assert loss == plain_loss
+    torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_fused_gated_mlp_casts_equal_the_unfused_ones(kind, monkeypatch):
+    """Each layer's SwiGLU MLP (two layers here): the product and the up-projection's gradient
+    in ``silu_mul_fp8``, the gate's gradient in ``silu_backward_fp8``; the step is the unfused
+    one's (loss bit for bit)."""
+    loss, update, counts = one_step(kind, ROWWISE)
+    assert counts.get("fsg.silu_mul_fp8") == 4 and counts.get("fsg.silu_backward_fp8") == 2, counts
+    assert "aten.silu_backward" not in counts and "aten.silu" not in counts
+    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
+    plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
+    assert "fsg.silu_mul_fp8" not in plain_counts and plain_counts.get("aten.silu_backward") == 2
     assert loss == plain_loss
     torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)

@@ -1,5 +1,6 @@
-"""The Triton kernel behind ``kernels/float8_cast.py``'s ops: rows produced from what it reads
-(as read, a GELU, a GELU gradient, or the pieces of a concatenation), cast row by row to
+"""The Triton kernel behind ``kernels/float8_cast.py``'s and ``kernels/silu_fp8.py``'s ops: rows
+produced from what it reads (as read, a GELU, a GELU gradient, a gated SiLU product, a SiLU
+gradient, or the pieces of a concatenation), cast row by row to
 ``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype, summed
 along the columns and reduced to the column maxima of their magnitudes (a transposed cast's
 scales), in one read of the inputs; its tiling, measured on the H200.
@@ -50,28 +51,52 @@ def _gelu(h, TANH: tl.constexpr):
     return 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
 
 
-# What computes the rows the kernel casts from what it reads (x, and h for a GELU gradient):
-# the rows as read (also the pieces of a concatenation), gelu'(h) * x for each of
-# gelu_backward's `approximate` forms, or gelu(x) for each of gelu's.
-PRODUCERS = {"identity": 0, "gelu_backward:none": 1, "gelu_backward:tanh": 2, "gelu:none": 3, "gelu:tanh": 4}
+@triton.jit
+def _sigmoid(h):
+    return 1.0 / (1.0 + tl.exp(-h))
+
+
+# What computes the rows the kernel casts from what it reads (x; h and y where named): the rows
+# as read (also the pieces of a concatenation), gelu'(h) * x for each of gelu_backward's
+# `approximate` forms, gelu(x) for each of gelu's, silu(x) * h (a gated MLP's product, silu(x)
+# rounded first as aten's two ops round it), silu'(h) * x, or silu'(h) * (x * y) (the product
+# rounded first: the gate's gradient of a gated MLP).
+PRODUCERS = {
+    "identity": 0, "gelu_backward:none": 1, "gelu_backward:tanh": 2, "gelu:none": 3, "gelu:tanh": 4,
+    "silu_mul": 5, "silu_backward": 6, "silu_backward_mul": 7,
+}  # fmt: skip
 
 
 @triton.jit
 def _produce(
-    x_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, stride, N, col0, PRODUCER: tl.constexpr, WRITE_G: tl.constexpr
+    x_ptr, h_ptr, y_ptr, g_ptr, rows, row_ok, cols, C, stride, N, col0, PRODUCER: tl.constexpr, WRITE_G: tl.constexpr
 ):
     """One piece's ``[ROWS, BLOCK]`` tile of the rows ``g`` in float32 (0 where masked):
-    produced from ``x`` (row stride ``stride``, ``C`` wide), stored to ``g`` at columns
-    ``col0 + cols`` of its ``N``-wide rows when ``WRITE_G``, as the rounded values there."""
+    produced from ``x`` (row stride ``stride``, ``C`` wide; ``h`` and ``y`` with its strides),
+    stored to ``g`` at columns ``col0 + cols`` of its ``N``-wide rows when ``WRITE_G``, as the
+    rounded values there."""
     mask = row_ok[:, None] & (cols < C)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    offs = rows[:, None] * stride + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    dtype = g_ptr.dtype.element_ty
     if PRODUCER == 0:
         g = x
     elif PRODUCER <= 2:
-        h = tl.load(h_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(g_ptr.dtype.element_ty)
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(dtype)
+    elif PRODUCER <= 4:
+        g = _gelu(x.to(tl.float32), PRODUCER == 4).to(dtype)
+    elif PRODUCER == 5:
+        x = x.to(tl.float32)
+        silu = (x * _sigmoid(x)).to(dtype).to(tl.float32)
+        g = (silu * tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
     else:
-        g = _gelu(x.to(tl.float32), PRODUCER == 4).to(g_ptr.dtype.element_ty)
+        dy = x.to(tl.float32)
+        if PRODUCER == 7:
+            dy = (dy * tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = _sigmoid(h)
+        g = (dy * s * (1.0 + h * (1.0 - s))).to(dtype)
     if WRITE_G:
         tl.store(g_ptr + rows[:, None] * N + col0 + cols[None, :], g, mask=mask)
     return tl.where(mask, g.to(tl.float32), 0.0)  # what the readers of g see: its rounded values
@@ -86,7 +111,7 @@ def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
 
 @triton.jit
 def _rowwise_fp8_kernel(
-    x0_ptr, x1_ptr, x2_ptr, h_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, amax_rows, M, C,
+    x0_ptr, x1_ptr, x2_ptr, h_ptr, y_ptr, g_ptr, q_ptr, inv_ptr, colsum_part_ptr, colamax_part_ptr, amax_rows, M, C,
     s0, s1, s2, fp8_max, eps, PRODUCER: tl.constexpr, PIECES: tl.constexpr, WRITE_G: tl.constexpr, COLSUM: tl.constexpr,
     COLAMAX: tl.constexpr, ROWS: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = True,
     STAGES: tl.constexpr = 1,
@@ -108,13 +133,13 @@ def _rowwise_fp8_kernel(
     for it in tl.range(ITERS, num_stages=STAGES):  # STAGES > 1: the next rows' loads in flight
         rows = ((pid * ITERS + it) * ROWS).to(tl.int64) + tl.arange(0, ROWS)
         row_ok = rows < M
-        g0 = _produce(x0_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s0, N, 0, PRODUCER, WRITE_G)
+        g0 = _produce(x0_ptr, h_ptr, y_ptr, g_ptr, rows, row_ok, cols, C, s0, N, 0, PRODUCER, WRITE_G)
         amax = tl.max(tl.abs(g0), axis=1)
         if PIECES > 1:
-            g1 = _produce(x1_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s1, N, C, PRODUCER, WRITE_G)
+            g1 = _produce(x1_ptr, h_ptr, y_ptr, g_ptr, rows, row_ok, cols, C, s1, N, C, PRODUCER, WRITE_G)
             amax = tl.maximum(amax, tl.max(tl.abs(g1), axis=1))
         if PIECES > 2:
-            g2 = _produce(x2_ptr, h_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
+            g2 = _produce(x2_ptr, h_ptr, y_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
             amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=1))
         scale = (1.0 / tl.maximum(amax, eps)) * fp8_max
         if QUANT:
@@ -201,28 +226,30 @@ TILES: dict[tuple[str, int], tuple[int, int]] = {
 
 def launch(
     xs: list[torch.Tensor], h_MC, g_MN, q_MN, inv_M, colsum_part_PN, producer: str,
-    t: RowTiling | None = None, colamax_part_PN: torch.Tensor | None = None,
+    t: RowTiling | None = None, colamax_part_PN: torch.Tensor | None = None, y_MC: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
-    stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the GELU input of a
-    ``"gelu_backward:*"`` producer (``x``'s strides), else ``None``; ``g_MN`` ``None`` where
-    the rows are not written (``"identity"`` with one piece); ``colsum_part_PN`` ``None``
-    for no column sums, else ``t.programs`` rows whose sum is the column sums;
-    ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose maximum
-    becomes the column maxima of ``|g|``. ``q_MN`` is
-    scaled for ``float8_e4m3fn`` whatever its dtype (the CPU tests pass float32: see their
-    docstring); ``q_MN`` and ``inv_M`` ``None`` for no cast at all (``kernels/bias_grad.py``:
-    the rows and their column sums only)."""
+    stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the second input of a
+    ``"gelu_backward:*"``, ``"silu_*"`` producer (the GELU's or SiLU's input of a gradient, the
+    factor of ``"silu_mul"``; ``x``'s strides), else ``None``; ``y_MC`` the second factor of a
+    ``"silu_backward_mul"`` producer's gradient (``x``'s strides), else ``None``; ``g_MN``
+    ``None`` where the rows are not written (``"identity"`` with one piece);
+    ``colsum_part_PN`` ``None`` for no column sums, else ``t.programs`` rows whose sum is the
+    column sums; ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose
+    maximum becomes the column maxima of ``|g|``. ``q_MN`` is scaled for ``float8_e4m3fn``
+    whatever its dtype (the CPU tests pass float32: see their docstring); ``q_MN`` and
+    ``inv_M`` ``None`` for no cast at all (``kernels/bias_grad.py``: the rows and their column
+    sums only)."""
     M, C = xs[0].shape
     assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
-    assert h_MC is None or h_MC.stride() == xs[0].stride()
+    assert all(v is None or v.stride() == xs[0].stride() for v in (h_MC, y_MC))
     t = t or tiling(M, C, producer, len(xs))
     quant = q_MN is not None
     strides = [x.stride(0) for x in xs] + [0] * (3 - len(xs))
     x0 = xs[0]
     q_MN, inv_M = (x0, x0) if q_MN is None else (q_MN, inv_M)  # unused where not QUANT
     _rowwise_fp8_kernel[(t.programs,)](
-        x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), x0 if h_MC is None else h_MC, x0 if g_MN is None else g_MN,
+        x0, *(xs[i] if i < len(xs) else x0 for i in (1, 2)), *(x0 if v is None else v for v in (h_MC, y_MC, g_MN)),
         q_MN, inv_M, *(q_MN if p is None else p for p in (colsum_part_PN, colamax_part_PN)),
         1 if colamax_part_PN is None else colamax_part_PN.shape[0], M, C, *strides,
         float(torch.finfo(E4M3).max), EPS,

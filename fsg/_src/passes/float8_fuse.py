@@ -3,7 +3,8 @@
 reductions over the tensor.
 
 - A rowwise operand whose producer is in ``FUSED_PRODUCERS`` (a GELU gradient, a GELU, a
-  concatenation of row pieces): the producer, its cast and, where a bias gradient sums the
+  concatenation of row pieces, a gated MLP's ``silu(x) * h`` and SiLU gradient:
+  ``passes/float8_producers.py``): the producer, its cast and, where a bias gradient sums the
   tensor, its column sums become one op.
 - A rowwise operand a layer norm produces (with ``FUSE_LAYER_NORMS``): the norm and the cast
   of its output become one op (``fsg::layer_norm_fp8``), which returns the norm's statistics too.
@@ -28,20 +29,12 @@ import torch
 from torch import fx
 
 from fsg._src.kernels import float8_cast, layer_norm_fp8
+from fsg._src.passes import float8_producers as producers
 
 aten = torch.ops.aten
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-GELU, GELU_BACKWARD, CAT, SUM_DIM = (
-    aten.gelu.default,
-    aten.gelu_backward.default,
-    aten.cat.default,
-    aten.sum.dim_IntList,
-)
-FUSED_OPS = {
-    GELU_BACKWARD: torch.ops.fsg.gelu_backward_fp8.default,
-    GELU: torch.ops.fsg.gelu_fp8.default,
-    CAT: torch.ops.fsg.cat_rowwise_fp8.default,
-}
+GELU, GELU_BACKWARD, CAT, SUM_DIM = producers.GELU, producers.GELU_BACKWARD, producers.CAT, aten.sum.dim_IntList
+FUSED_OPS = producers.FUSED_OPS
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 LAYER_NORM, LAYER_NORM_FP8 = aten.native_layer_norm.default, torch.ops.fsg.layer_norm_fp8.default
 ADD, ADD_LAYER_NORM_FP8 = aten.add.Tensor, torch.ops.fsg.add_layer_norm_fp8.default
@@ -50,6 +43,8 @@ OUTPUTS = {
     FUSED_OPS[GELU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
     FUSED_OPS[GELU]: ("g", "q", "inv", "colamax"),
     FUSED_OPS[CAT]: ("g", "q", "inv", "colsum", "colamax"),
+    FUSED_OPS[producers.MUL]: ("g", "q", "inv", "colsum", "colamax"),
+    FUSED_OPS[producers.SILU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
     ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
     LAYER_NORM_FP8: ("y", "mean", "rstd", "q", "inv"),
     ADD_LAYER_NORM_FP8: ("s", "y", "mean", "rstd", "q", "inv"),
@@ -110,11 +105,16 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         return
     producer, args = match
     column_amax = FUSE_COLUMN_AMAX and rows_base(t) is producer and producer in q.flipped
+    sums = (bool(column_sums(t)),) if producer.target in producers.TAKES_COLUMN_SUMS else ()
+    inputs = producer.all_input_nodes
     with q.graph.inserting_before(producer.next):
-        fused = q.call(FUSED_OPS[producer.target], (*args, column_amax))
+        fused = q.call(FUSED_OPS[producer.target], (*args, *sums, column_amax))
         out = outputs(q, fused)
         producer.replace_all_uses_with(out["g"])
         q.graph.erase_node(producer)
+    for node in inputs:  # what the fused op computes itself (a SiLU, a product), where nothing else reads it
+        if node.op == "call_function" and node.target in producers.ABSORBED and not node.users:
+            q.graph.erase_node(node)
     rows = out["g"] if t is producer else t  # a 2-D producer is t itself: its readers now read g
     for key in {(t, False, dtype), (rows, False, dtype)}:
         q.casts[key], q.scales[key] = out["q"], out["inv"]
@@ -184,7 +184,7 @@ def producer_match(t: fx.Node) -> tuple[fx.Node, tuple] | None:
         return None
     if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
         return None
-    args = fused_args(producer)
+    args = producers.fused_args(producer)
     return None if args is None else (producer, args)
 
 
@@ -226,35 +226,6 @@ def residual_add(x: fx.Node, norm: fx.Node) -> fx.Node | None:
             return None
         node = node.next
     return x
-
-
-def fused_args(producer: fx.Node) -> tuple | None:
-    """The fused op's arguments for ``producer`` (``FUSED_OPS``; the column-amax flag
-    follows), or ``None`` where the kernel does not cover it."""
-
-    def approximate(i: int) -> str:
-        return producer.kwargs.get("approximate", producer.args[i] if len(producer.args) > i else "none")
-
-    shape = producer.meta["val"].shape
-    if producer.target is GELU_BACKWARD:
-        dy, h = producer.args[:2]
-        if not (isinstance(dy, fx.Node) and isinstance(h, fx.Node)) or approximate(2) not in float8_cast.APPROXIMATIONS:
-            return None
-        if any(v.meta["val"].shape != shape or not v.meta["val"].is_contiguous() for v in (dy, h)):
-            return None
-        return (dy, h, approximate(2))
-    if producer.target is GELU:
-        h = producer.args[0]
-        if not isinstance(h, fx.Node) or approximate(1) not in float8_cast.APPROXIMATIONS:
-            return None
-        return (h, approximate(1)) if h.meta["val"].is_contiguous() else None
-    pieces, dim = producer.args[0], producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("dim", 0)
-    if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
-        return None
-    vals = [p.meta["val"] if isinstance(p, fx.Node) else None for p in pieces]
-    if any(v is None or v.shape != vals[0].shape or v.dtype != vals[0].dtype or v.stride(-1) != 1 for v in vals):
-        return None
-    return (list(pieces),)
 
 
 def fused_column_sums(q: Any, t: fx.Node, dtype: torch.dtype) -> None:

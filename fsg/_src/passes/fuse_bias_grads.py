@@ -24,7 +24,7 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src.kernels import bias_grad  # noqa: F401 - registers the fused ops
 from fsg._src.kernels._common import fused_ops_enabled, use_triton
-from fsg._src.passes import float8_fuse
+from fsg._src.passes import float8_fuse, float8_producers
 
 aten = torch.ops.aten
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -86,7 +86,7 @@ def _fused_args(node: fx.Node) -> tuple | None:
         return None
     if not val.is_contiguous() or not val.numel() or not use_triton(val):
         return None
-    args = float8_fuse.fused_args(node)
+    args = float8_producers.fused_args(node)
     inputs = args[:2] if node.target is GELU_BACKWARD else args[0] if args else ()
     return args if args and all(x.meta["val"].dtype == val.dtype for x in inputs) else None
 

@@ -1,0 +1,109 @@
+"""The gated MLP's fused FP8 casts (``kernels/silu_fp8.py``: ``silu(x) * h``, the SiLU gradient
+with and without its product's factor) under Triton's CPU interpreter, against the eager
+references, which are the unfused graph's aten ops.
+
+float32 inputs and a float32 buffer for the FP8 copy, as ``test_float8_cast.py`` explains (the
+interpreter's bf16 and FP8 conversions are wrong); the bf16 kernels are checked on the GPU
+(tests/gpu/test_float8_cuda.py).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fsg._src.kernels import silu_fp8 as S
+from fsg._src.kernels._common import RowTiling
+from fsg._src.kernels.float8_cast_kernel import launch
+from tests.kernels.common import KERNEL, needs_triton, rel
+
+PRODUCERS = ("silu_mul", "silu_backward", "silu_backward_mul")
+
+
+def reference(producer, x, h, y, column_amax=False):
+    if producer == "silu_mul":
+        return S.silu_mul_fp8_reference(x, h, True, column_amax)
+    return S.silu_backward_fp8_reference(x, h, y, True, column_amax)
+
+
+@needs_triton
+@KERNEL
+@given(
+    st.sampled_from(PRODUCERS), st.integers(1, 40), st.integers(1, 300), st.sampled_from([None, 1, 3]),
+    st.sampled_from([1, 2, 4]), st.integers(0, 2**31 - 1),
+)  # fmt: skip
+def test_kernel_writes_every_output_and_matches_the_reference(producer, m, n, iters, rows, seed):
+    """Each producer, over tilings that leave partly masked tiles: ``g``, its scaled rows, the
+    inverse scales and the column sums equal the reference's; the column maxima are those of
+    ``|g|`` as written, exactly; a row of zeros gets a finite scale and zeros."""
+    g_ = torch.Generator().manual_seed(seed)
+    x, h, y = (torch.randn(m, n, generator=g_) * s for s in (3.0, 4.0, 2.0))
+    x[0] = 0.0
+    if producer == "silu_mul":
+        h[0] = 0.0  # silu(0) is 0 already; the factor's row too, for symmetry
+    t = RowTiling(m, n, rows=rows, iters=iters)
+    g, q, inv = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1)))
+    part, amax_part = torch.full((t.programs, n), float("nan")), torch.zeros(1 + seed % 3, n)
+    launch([x], h, g, q, inv, part, producer, t, amax_part, y_MC=y if producer == "silu_backward_mul" else None)
+    g_ref, _, inv_ref, colsum_ref, _ = reference(producer, x, h, y if producer == "silu_backward_mul" else None)
+    assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any())
+    assert rel(g, g_ref) < 1e-5 and rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
+    assert rel(q, (g_ref / inv_ref).clamp(-448, 448)) < 1e-5 and not q[0].any()
+    assert torch.equal(amax_part.amax(0), g.abs().amax(0))
+    nonzero = g.abs().amax(1) > 0
+    assert torch.allclose(q.abs().amax(1)[nonzero], torch.tensor(448.0), rtol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("column_sums", [False, True])
+@pytest.mark.parametrize("column_amax", [False, True])
+def test_the_ops_on_3d_inputs_launch_the_kernel(column_sums, column_amax):
+    """The registered ops flatten ``[B, T, N]`` to rows; column sums and maxima only when asked."""
+    x, h, y = (torch.randn(3, 7, 48) * 3 for _ in range(3))
+    for out, ref in (
+        (S.silu_mul_fp8(x, h, column_sums, column_amax), S.silu_mul_fp8_reference(x, h, True, True)),
+        (S.silu_backward_fp8(x, h, y, column_sums, column_amax), S.silu_backward_fp8_reference(x, h, y, True, True)),
+        (S.silu_backward_fp8(x, h, None, column_sums, column_amax), S.silu_backward_fp8_reference(x, h, None, True, True)),
+    ):  # fmt: skip
+        g, q, inv, colsum, colamax = out
+        assert g.shape == x.shape and q.shape == (21, 48) and q.dtype == torch.float8_e4m3fn and inv.shape == (21, 1)
+        assert rel(g, ref[0]) < 1e-5 and rel(inv, ref[2]) < 1e-5
+        assert colsum.shape == ((48,) if column_sums else (0,)) and colamax.shape == ((48,) if column_amax else (0,))
+        if column_sums:
+            assert rel(colsum, ref[3]) < 1e-5
+        if column_amax:
+            assert torch.equal(colamax, g.reshape(21, 48).abs().amax(0))
+
+
+def test_references_are_the_gated_mlps_values_and_gradients():
+    """``silu_mul`` is ``silu(x) * h`` in the input dtype; ``silu_backward(dy * y, h)`` is the
+    gradient autograd gives the gate's output of ``silu(gate) * y``; the casts are the
+    unfused rowwise casts of the bf16 rows."""
+    gate, up, dy = (torch.randn(10, 64, dtype=torch.bfloat16) * 3 for _ in range(3))
+    g, q, inv, colsum, colamax = S.silu_mul_fp8_reference(gate, up, True, True)
+    assert g.dtype == torch.bfloat16 and torch.equal(g, F.silu(gate) * up)
+    scale = 448.0 / g.float().abs().amax(1, keepdim=True)
+    assert torch.equal(q, (g.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+    assert rel(inv, 1 / scale) < 1e-6 and rel(colsum, g.float().sum(0)) < 1e-6
+    assert torch.equal(colamax, g.float().abs().amax(0))
+    gate_ = gate.float().requires_grad_()
+    (F.silu(gate_) * up.float() * dy.float()).sum().backward()
+    d_gate = S.silu_backward_fp8_reference(dy, gate, up)[0]
+    assert d_gate.dtype == torch.bfloat16 and rel(d_gate.float(), gate_.grad) < 1e-2
+    assert torch.equal(S.silu_backward_fp8_reference(dy * up, gate)[0], d_gate)  # the product, rounded first
+    assert S.silu_mul_fp8_reference(gate, up)[3].shape == (0,)  # no column sums unless asked
+
+
+@pytest.mark.parametrize("column_sums", [False, True])
+@pytest.mark.parametrize("column_amax", [False, True])
+def test_fake_shapes_match_the_real_ops(column_sums, column_amax):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(2, 5, 32)
+    real = [S.silu_mul_fp8(x, x, column_sums, column_amax), S.silu_backward_fp8(x, x, x, column_sums, column_amax)]
+    with FakeTensorMode() as mode:
+        f = mode.from_tensor(x)
+        fake = [S.silu_mul_fp8(f, f, column_sums, column_amax), S.silu_backward_fp8(f, f, None, column_sums, column_amax)]
+    for r, fk in zip(real, fake):
+        assert [(t.shape, t.dtype) for t in fk] == [(t.shape, t.dtype) for t in r]
