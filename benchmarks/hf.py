@@ -2,10 +2,13 @@
 
     python benchmarks/hf.py                       # GPT-2 124M and the Llama-style 150M
     python benchmarks/hf.py --model llama --impl compile,fsg --steps 30
+    python benchmarks/hf.py --model llama1b --batch 4 --impl fsg,fsg-fp8,fsg-fp8-nosilu,compile-fp8-row
 
 The models are `transformers` classes built from configs (no download): GPT-2 124M (12 layers,
 768 wide, tied head) and a Llama-style 150M (12 layers, 768 wide, 12 query / 4 key-value heads,
-MLP 2048, vocabulary 32000). Same step for both implementations: the model's own causal-LM
+MLP 2048, vocabulary 32000); and `llama1b`, a Llama 3.2 1B shape (16 layers, 2048 wide, 32
+query / 8 key-value heads, SwiGLU MLP 8192; vocabulary 32000), where FP8 matmuls pay. Same step
+for every implementation: the model's own causal-LM
 loss (`model(input_ids, labels=...).loss`), batch 8 x 1024 tokens, float32 params and AdamW
 state (lr 3e-4, betas 0.9/0.95, weight decay 0.1, eps 1e-8), bfloat16 compute, same initial
 weights and batches.
@@ -19,6 +22,13 @@ Implementations (--impl), each in its own process:
             every default on (fused AdamW, CUDA-graph replay, the model's cross-entropy traced
             fused with its output projection)
   fsg-unfused  the same with fused_loss=False: the loss traced as the model writes it
+  fsg-fp8   fsg with Float8(recipe="rowwise", fast_accum=("forward", "grad_input")): the
+            linear layers' forward and grad-input matmuls in FP8, the casts fused into their
+            producers (the gated MLP's: kernels/silu_fp8.py)
+  fsg-fp8-nosilu  the same without the gated MLP's fused casts (Inductor computes them):
+            what kernels/silu_fp8.py is measured against
+  compile-fp8-row  compile after torchao's convert_to_float8_training (rowwise), the head in
+            bf16: the layer-by-layer FP8 baseline (torchao carried to the GPU machine)
 Step time: mean over --steps timed steps after --warmup (the first compiles). Peak memory:
 torch.cuda.max_memory_allocated over the whole process.
 """
@@ -33,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import profile_table
+from _common import profile_table, torchao_float8
 
 ROOT = Path(__file__).resolve().parents[1]
 LR, B1, B2, WD, EPS = 3e-4, 0.9, 0.95, 0.1, 1e-8
@@ -48,6 +58,10 @@ def make_model(kind: str):
         config = GPT2Config(vocab_size=50304, n_positions=1024, n_layer=12, n_head=12, n_embd=768,
                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return GPT2LMHeadModel(config)
+    if kind == "llama1b":
+        config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=1024)  # fmt: skip
+        return LlamaForCausalLM(config)
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
     return LlamaForCausalLM(config)
@@ -62,7 +76,9 @@ def run(kind: str, impl: str, args) -> dict:
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=g).cuda() for _ in range(4)]
-    if impl in ("compile", "compile-ro"):
+    if impl in ("compile", "compile-ro", "compile-fp8-row"):
+        if impl == "compile-fp8-row":
+            torchao_float8(model, impl)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, fused=True)
 
         def loss_of(ids):
@@ -85,9 +101,17 @@ def run(kind: str, impl: str, args) -> dict:
         def loss_fn(params, batch):
             return fsg.apply(model, params, input_ids=batch["ids"], labels=batch["ids"]).loss
 
+        matmul = None
+        if impl.startswith("fsg-fp8"):
+            matmul = fsg.Float8(recipe="rowwise", fast_accum=("forward", "grad_input"))
+        if impl == "fsg-fp8-nosilu":
+            from fsg._src.passes import float8_fuse, float8_producers
+
+            float8_fuse.FUSED_PRODUCERS = float8_fuse.FUSED_PRODUCERS - {float8_producers.MUL, float8_producers.SILU_BACKWARD}
         train = fsg.compile_step(
             loss_fn, optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
-            precision=fsg.Policy(compute=torch.bfloat16), fused_loss=False if impl == "fsg-unfused" else None,
+            precision=fsg.Policy(compute=torch.bfloat16, matmul=matmul),
+            fused_loss=False if impl == "fsg-unfused" else None,
         )  # fmt: skip
         state = train.init(fsg.params(model))
         holder = [state]
@@ -165,6 +189,8 @@ def main() -> None:
         if baselines and "fsg" in got:
             best = min(baselines, key=baselines.get)
             print(f"\n{kind}: fsg {baselines[best] / got['fsg']:.3f}x the fastest baseline ({best})")
+        for impl in (i for i in got if i.startswith("fsg-fp8") and "fsg" in got):
+            print(f"{kind}: {impl} {got['fsg'] / got[impl]:.3f}x fsg (bf16)")
 
 
 if __name__ == "__main__":
