@@ -19,15 +19,20 @@ class _GatedMLP(nn.Module):
     read again: it stays in the graph for that reader); ``"product_read"`` (the product
     ``silu(gate) * up`` read again: its gradient is a sum, which both gradients below it
     read); ``"up_read"`` (the up-projection's output read again: its gradient is a sum, not a
-    product through a SiLU, so its cast is not fused and the SiLU stays for it)."""
+    product through a SiLU, so its cast is not fused and the SiLU stays for it); ``"chunked"``
+    (Phi-3: gate and up the halves of one projection, read in place; their gradients meet in
+    a concatenation, which ``cat_rowwise_fp8`` casts, so only the product is a SiLU op's)."""
 
     def __init__(self, width, hidden, bias, variant):
         super().__init__()
-        self.gate, self.up = nn.Linear(width, hidden, bias=bias), nn.Linear(width, hidden, bias=bias)
+        if variant == "chunked":
+            self.gate_up = nn.Linear(width, 2 * hidden, bias=bias)
+        else:
+            self.gate, self.up = nn.Linear(width, hidden, bias=bias), nn.Linear(width, hidden, bias=bias)
         self.down, self.variant = nn.Linear(hidden, width, bias=bias), variant
 
     def forward(self, x):
-        gate, up = self.gate(x), self.up(x)
+        gate, up = self.gate_up(x).chunk(2, -1) if self.variant == "chunked" else (self.gate(x), self.up(x))
         act = F.silu(gate)
         h = up * act if self.variant == "swapped" else act * up
         y = self.down(h)
@@ -35,7 +40,9 @@ class _GatedMLP(nn.Module):
         return y if extra is None else y + 0.1 * extra[..., : y.shape[-1]]
 
 
-VARIANTS = ["plain", "swapped", "silu_read", "product_read", "up_read"]
+VARIANTS = ["plain", "swapped", "silu_read", "product_read", "up_read", "chunked"]
+# (silu_mul_fp8, silu_backward_fp8, bias gradients' sums fused) per variant, with biases
+FUSED = {"up_read": (1, 1, 1), "chunked": (1, 0, 1)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -52,14 +59,14 @@ def test_fused_gated_mlp_step_equals_the_unfused_step(variant, bias, lead, dims)
     (loss, state, text), (plain_loss, plain_state, plain_text) = _fused_and_unfused(
         lambda: _GatedMLP(width, hidden, bias, variant), width, lead
     )
-    assert text.count(MUL_FP8) == (1 if variant == "up_read" else 2) and text.count(BACKWARD_FP8) == 1
+    products, gate_grads, bias_sums = FUSED.get(variant, (2, 1, 2))
+    assert text.count(MUL_FP8) == products and text.count(BACKWARD_FP8) == gate_grads
     assert MUL_FP8 not in plain_text and BACKWARD_FP8 not in plain_text
-    assert "aten.silu_backward" not in text and plain_text.count("aten.silu_backward") == 1
-    assert ("aten.silu.default(" in text) == (variant in ("silu_read", "up_read"))  # else in the fused ops
+    assert text.count("aten.silu_backward") == 1 - gate_grads and plain_text.count("aten.silu_backward") == 1
+    assert ("aten.silu.default(" in text) == (variant in ("silu_read", "up_read", "chunked"))  # else in the fused ops
     assert text.count("aten.mul.Tensor(") < plain_text.count("aten.mul.Tensor(")
     sums = [t.count("aten.sum.dim_IntList(") for t in (text, plain_text)]
-    fused_sums = 0 if not bias else 1 if variant == "up_read" else 2  # the gate's and up-projection's bias gradients
-    assert sums[0] == sums[1] - fused_sums
+    assert sums[0] == sums[1] - (bias_sums if bias else 0)  # the gate's and up-projection's bias gradients
     assert loss == plain_loss
     _states_close(state, plain_state, 1e-2)
 

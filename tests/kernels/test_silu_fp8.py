@@ -107,3 +107,19 @@ def test_fake_shapes_match_the_real_ops(column_sums, column_amax):
         fake = [S.silu_mul_fp8(f, f, column_sums, column_amax), S.silu_backward_fp8(f, f, None, column_sums, column_amax)]
     for r, fk in zip(real, fake):
         assert [(t.shape, t.dtype) for t in fk] == [(t.shape, t.dtype) for t in r]
+
+
+@needs_triton
+def test_the_halves_of_a_fused_gate_and_up_projection_are_read_in_place():
+    """``silu(gate) * up`` of ``gate, up = gate_up.chunk(2, -1)`` (Phi-3's MLP): the op reads
+    both halves through their shared row stride, without copies, and writes the reference's
+    values; inputs of different strides are copied to rows first, with the same result."""
+    gate_up = torch.randn(3, 7, 96) * 3
+    gate, up = gate_up.chunk(2, -1)
+    views = S._rows(gate, up)
+    assert [v.data_ptr() for v in views] == [gate.data_ptr(), up.data_ptr()] and views[0].stride() == (96, 1)
+    ref = S.silu_mul_fp8_reference(gate, up, True, True)
+    for h in (up, up.contiguous()):  # shared strides; different strides (copied)
+        g, q, inv, colsum, colamax = S.silu_mul_fp8(gate, h, True, True)
+        assert g.shape == (3, 7, 48) and g.is_contiguous() and rel(g, ref[0]) < 1e-5 and rel(inv, ref[2]) < 1e-5
+        assert rel(colsum, ref[3]) < 1e-5 and torch.equal(colamax, g.reshape(21, 48).abs().amax(0))

@@ -27,7 +27,7 @@ import torch
 
 from fsg._src.kernels._common import use_triton
 from fsg._src.kernels.column_sum import column_sum
-from fsg._src.kernels.float8_cast import _column_amax, _outputs, rowwise_fp8_reference
+from fsg._src.kernels.float8_cast import _column_amax, _outputs, _rows_of, rowwise_fp8_reference
 from fsg._src.kernels.float8_cast_kernel import E4M3, launch, tiling
 
 aten = torch.ops.aten
@@ -52,17 +52,24 @@ def silu_backward_fp8_reference(dy, h, y=None, column_sums: bool = False, column
     return _with_cast(aten.silu_backward.default(dy, h), column_sums, column_amax)
 
 
+def _rows(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors as ``[M, N]`` rows of one row stride: views where they have one (the two
+    halves of a fused gate-and-up projection's output), else row-major copies."""
+    views = [_rows_of(t) for t in ts]
+    return views if len({v.stride() for v in views}) == 1 else [v.contiguous() for v in views]
+
+
 def _launch(producer: str, x, h, y, column_sums: bool, column_amax: bool) -> Outputs:
     N = x.shape[-1]
-    x_MN, h_MN = x.reshape(-1, N).contiguous(), h.reshape(-1, N).contiguous()
-    y_MN = None if y is None else y.reshape(-1, N).contiguous()
+    x_MN, h_MN, *y_MN = _rows(*(t for t in (x, h, y) if t is not None))
+    y_MN = y_MN[0] if y_MN else None
     M = x_MN.shape[0]
     t = tiling(M, N, producer)
     q_MN, inv_M1, part, amax_part = _outputs(M, N, x.device, t, column_sums, column_amax)
-    g_MN = torch.empty_like(x_MN)
+    g_MN = torch.empty((M, N), dtype=x.dtype, device=x.device)
     launch([x_MN], h_MN, g_MN, q_MN, inv_M1, part, producer, t, amax_part, y_MC=y_MN)
     colsum = column_sum(part) if column_sums else torch.zeros((0,), dtype=torch.float32, device=x.device)
-    return g_MN.reshape(x.shape), q_MN, inv_M1, colsum, _column_amax(amax_part, N, x.device)
+    return g_MN.view(x.shape), q_MN, inv_M1, colsum, _column_amax(amax_part, N, x.device)
 
 
 @torch.library.custom_op("fsg::silu_mul_fp8", mutates_args=())

@@ -60,14 +60,18 @@ def fused_args(producer: fx.Node) -> tuple | None:
     return (list(pieces),)
 
 
-def _rows_like(producer: fx.Node, *inputs) -> bool:
-    """Whether every input is a node of ``producer``'s shape and dtype, row-major."""
+def _rows_like(producer: fx.Node, *inputs, views: bool = False) -> bool:
+    """Whether every input is a node of ``producer``'s shape and dtype, row-major; with
+    ``views``, strided views of rows are allowed too where the inputs share their strides
+    (the kernel reads them in place: the halves of a fused gate-and-up projection)."""
     val = producer.meta["val"]
-    return all(
-        isinstance(v, fx.Node) and v.meta["val"].shape == val.shape and v.meta["val"].dtype == val.dtype
-        and v.meta["val"].is_contiguous()
-        for v in inputs
-    )  # fmt: skip
+    if not all(isinstance(v, fx.Node) and v.meta["val"].shape == val.shape and v.meta["val"].dtype == val.dtype
+               for v in inputs):  # fmt: skip
+        return False
+    vals = [v.meta["val"] for v in inputs]
+    if views:
+        return all(v.stride(-1) == 1 and v.stride() == vals[0].stride() for v in vals)
+    return all(v.is_contiguous() for v in vals)
 
 
 def _is(node: object, target) -> bool:
@@ -79,7 +83,7 @@ def silu_mul_args(mul: fx.Node) -> tuple | None:
     if len(mul.args) != 2:
         return None
     for silu, h in (mul.args, mul.args[::-1]):
-        if _is(silu, SILU) and _rows_like(mul, silu, silu.args[0], h):
+        if _is(silu, SILU) and _rows_like(mul, silu) and _rows_like(mul, silu.args[0], h, views=True):
             return (silu.args[0], h)
     return None
 
