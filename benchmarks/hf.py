@@ -2,7 +2,7 @@
 
     python benchmarks/hf.py                       # GPT-2 124M and the Llama-style 150M
     python benchmarks/hf.py --model llama --impl compile,fsg --steps 30
-    python benchmarks/hf.py --model llama1b --batch 4 --impl fsg,fsg-fp8,fsg-fp8-nosilu,compile-fp8-row
+    python benchmarks/hf.py --model llama1b --batch 4 --impl fsg,fsg-fp8,fsg-fp8-nogated,compile-fp8-row
 
 The models are `transformers` classes built from configs (no download): GPT-2 124M (12 layers,
 768 wide, tied head) and a Llama-style 150M (12 layers, 768 wide, 12 query / 4 key-value heads,
@@ -24,9 +24,9 @@ Implementations (--impl), each in its own process:
   fsg-unfused  the same with fused_loss=False: the loss traced as the model writes it
   fsg-fp8   fsg with Float8(recipe="rowwise", fast_accum=("forward", "grad_input")): the
             linear layers' forward and grad-input matmuls in FP8, the casts fused into their
-            producers (the gated MLP's: kernels/silu_fp8.py)
-  fsg-fp8-nosilu  the same without the gated MLP's fused casts (Inductor computes them):
-            what kernels/silu_fp8.py is measured against
+            producers (the gated MLP's: kernels/gated_fp8.py)
+  fsg-fp8-nogated  the same without the gated MLP's fused casts (Inductor computes them):
+            what kernels/gated_fp8.py is measured against
   compile-fp8-row  compile after torchao's convert_to_float8_training (rowwise), the head in
             bf16: the layer-by-layer FP8 baseline (torchao carried to the GPU machine)
 Step time: mean over --steps timed steps after --warmup (the first compiles). Peak memory:
@@ -104,7 +104,7 @@ def run(kind: str, impl: str, args) -> dict:
         matmul = None
         if impl.startswith("fsg-fp8"):
             matmul = fsg.Float8(recipe="rowwise", fast_accum=("forward", "grad_input"))
-        if impl == "fsg-fp8-nosilu":
+        if impl == "fsg-fp8-nogated":
             from fsg._src.passes import float8_fuse, float8_producers
 
             float8_fuse.FUSED_PRODUCERS = float8_fuse.FUSED_PRODUCERS - {float8_producers.MUL, float8_producers.SILU_BACKWARD}

@@ -94,7 +94,7 @@ def _two_layers(x, z, w1, w2, c1, c2):
 
 def _gated_and_plain(x, z, w1, w2, c1, c2):
     """As ``_two_layers``, the first layer reading a gated MLP's product ``silu(x) * z`` (its
-    cast fused into ``silu_mul_fp8``)."""
+    cast fused into ``gated_fp8``)."""
     return _with_plain_product((F.silu(x) * z) @ w1.t(), x, z, w2, c1, c2)
 
 

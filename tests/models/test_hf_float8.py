@@ -1,7 +1,7 @@
 """Rowwise FP8 (``Policy(matmul=fsg.Float8(recipe="rowwise"))``, issue 18) on models we did not
 write: every family of the Hugging Face corpus (tests/models/hf_models.py) takes one step whose
 loss and update track the bf16 step's, and the fused GELU-gradient and gated-MLP casts
-(kernels/float8_cast.py, kernels/silu_fp8.py) change nothing where a family's MLP has one."""
+(kernels/float8_cast.py, kernels/gated_fp8.py) change nothing where a family's MLP has one."""
 
 import pytest
 import torch
@@ -48,7 +48,7 @@ def test_rowwise_step_tracks_the_bf16_step(kind):
     assert cosine > 0.98 and 0.97 < float(update.norm() / bf16_update.norm()) < 1.03, cosine
 
 
-@pytest.mark.parametrize("kind", ["bert", "gpt_neox", "gemma"])  # erf GELU, tanh GELU, gated tanh GELU
+@pytest.mark.parametrize("kind", ["bert", "gpt_neox"])  # erf GELU, tanh GELU (Gemma's gated GELU: below)
 def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind, monkeypatch):
     loss, update, counts = one_step(kind, ROWWISE)
     assert counts.get("fsg.gelu_backward_fp8", 0) >= 2 and "aten.gelu_backward" not in counts
@@ -59,23 +59,25 @@ def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind, monkeypatch):
     torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)
 
 
-# fused (silu_mul_fp8, silu_backward_fp8) per family, two layers: Phi-3's gate and up are the
-# halves of one projection, so its gradients meet in a concatenation (cat_rowwise_fp8's) and only
-# the product is a SiLU op's
-GATED = {"llama": (4, 2), "mistral": (4, 2), "qwen2": (4, 2), "qwen3": (4, 2), "phi3": (2, 0)}
+# fused (gated_fp8, gated_backward_fp8) per family, two layers: Phi-3's gate and up are the
+# halves of one projection, so their gradients meet in a concatenation (cat_rowwise_fp8's) and
+# only the product is a gated op's; Gemma's activation is a tanh GELU, the others' a SiLU
+GATED = {"llama": (4, 2), "mistral": (4, 2), "qwen2": (4, 2), "qwen3": (4, 2), "phi3": (2, 0), "gemma": (4, 2),
+         "gemma2": (4, 2)}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", sorted(GATED))
 def test_the_fused_gated_mlp_casts_equal_the_unfused_ones(kind, monkeypatch):
-    """Each layer's SwiGLU MLP: the product and the up-projection's gradient in
-    ``silu_mul_fp8``, the gate's gradient in ``silu_backward_fp8``; the step is the unfused
-    one's (loss bit for bit)."""
+    """Each layer's gated MLP: the product and the up-projection's gradient in ``gated_fp8``,
+    the gate's gradient in ``gated_backward_fp8``; the step is the unfused one's (loss bit for
+    bit)."""
     loss, update, counts = one_step(kind, ROWWISE)
     products, gate_grads = GATED[kind]
-    assert counts.get("fsg.silu_mul_fp8") == products and counts.get("fsg.silu_backward_fp8", 0) == gate_grads, counts
-    assert counts.get("aten.silu_backward", 0) == 2 - gate_grads
+    assert counts.get("fsg.gated_fp8") == products and counts.get("fsg.gated_backward_fp8", 0) == gate_grads, counts
+    backward = "aten.gelu_backward" if kind.startswith("gemma") else "aten.silu_backward"
+    assert counts.get(backward, 0) == 2 - gate_grads and "fsg.gelu_backward_fp8" not in counts
     monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
     plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
-    assert "fsg.silu_mul_fp8" not in plain_counts and plain_counts.get("aten.silu_backward") == 2
+    assert "fsg.gated_fp8" not in plain_counts and plain_counts.get(backward) == 2
     assert loss == plain_loss
     torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)

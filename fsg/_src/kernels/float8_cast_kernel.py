@@ -1,5 +1,5 @@
-"""The Triton kernel behind ``kernels/float8_cast.py``'s and ``kernels/silu_fp8.py``'s ops: rows
-produced from what it reads (as read, a GELU, a GELU gradient, a gated SiLU product, a SiLU
+"""The Triton kernel behind ``kernels/float8_cast.py``'s and ``kernels/gated_fp8.py``'s ops: rows
+produced from what it reads (as read, a GELU, a GELU gradient, a gated MLP's product or
 gradient, or the pieces of a concatenation), cast row by row to
 ``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype, summed
 along the columns and reduced to the column maxima of their magnitudes (a transposed cast's
@@ -56,14 +56,35 @@ def _sigmoid(h):
     return 1.0 / (1.0 + tl.exp(-h))
 
 
+@triton.jit
+def _act(x, ACT: tl.constexpr):
+    """A gated MLP's activation in float32: SiLU (``ACT`` 0), GELU (1: erf, 2: tanh)."""
+    if ACT == 0:
+        return x * _sigmoid(x)
+    return _gelu(x, ACT == 2)
+
+
+@triton.jit
+def _act_grad(h, ACT: tl.constexpr):
+    """The derivative of ``_act`` at ``h``, as aten's ``silu_backward``/``gelu_backward`` computes it."""
+    if ACT == 0:
+        s = _sigmoid(h)
+        return s * (1.0 + h * (1.0 - s))
+    return _gelu_grad(h, ACT == 2)
+
+
+# The activations of a gated MLP's producers (``kernels/gated_fp8.py``), by name: ``ACT`` above.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 # What computes the rows the kernel casts from what it reads (x; h and y where named): the rows
 # as read (also the pieces of a concatenation), gelu'(h) * x for each of gelu_backward's
-# `approximate` forms, gelu(x) for each of gelu's, silu(x) * h (a gated MLP's product, silu(x)
-# rounded first as aten's two ops round it), silu'(h) * x, or silu'(h) * (x * y) (the product
-# rounded first: the gate's gradient of a gated MLP).
+# `approximate` forms, gelu(x) for each of gelu's; and for a gated MLP (each activation), its
+# product act(x) * h ("gated:<act>"), act'(h) * x ("gated_backward:silu"; a GELU's is above)
+# and act'(h) * (x * y) ("gated_backward_mul:<act>"). A product's first factor is rounded to
+# the dtype before it is used (act(x), x * y), as aten's two ops round it.
 PRODUCERS = {
     "identity": 0, "gelu_backward:none": 1, "gelu_backward:tanh": 2, "gelu:none": 3, "gelu:tanh": 4,
-    "silu_mul": 5, "silu_backward": 6, "silu_backward_mul": 7,
+    **{f"gated:{a}": 5 + i for a, i in ACTIVATIONS.items()}, "gated_backward:silu": 8,
+    **{f"gated_backward_mul:{a}": 9 + i for a, i in ACTIVATIONS.items()},
 }  # fmt: skip
 
 
@@ -86,17 +107,15 @@ def _produce(
         g = (x.to(tl.float32) * _gelu_grad(h, PRODUCER == 2)).to(dtype)
     elif PRODUCER <= 4:
         g = _gelu(x.to(tl.float32), PRODUCER == 4).to(dtype)
-    elif PRODUCER == 5:
-        x = x.to(tl.float32)
-        silu = (x * _sigmoid(x)).to(dtype).to(tl.float32)
-        g = (silu * tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    else:
+    elif PRODUCER <= 7:  # act(x) * h
+        a = _act(x.to(tl.float32), PRODUCER - 5).to(dtype).to(tl.float32)
+        g = (a * tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    else:  # act'(h) * x, or act'(h) * (x * y)
         dy = x.to(tl.float32)
-        if PRODUCER == 7:
+        if PRODUCER >= 9:
             dy = (dy * tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = _sigmoid(h)
-        g = (dy * s * (1.0 + h * (1.0 - s))).to(dtype)
+        g = (dy * _act_grad(h, 0 if PRODUCER <= 9 else PRODUCER - 9)).to(dtype)
     if WRITE_G:
         tl.store(g_ptr + rows[:, None] * N + col0 + cols[None, :], g, mask=mask)
     return tl.where(mask, g.to(tl.float32), 0.0)  # what the readers of g see: its rounded values
@@ -230,9 +249,9 @@ def launch(
 ) -> None:  # fmt: skip
     """Writes into the given outputs. ``xs``: the pieces, each ``[M, C]`` with unit column
     stride (one unless ``producer`` is ``"identity"``); ``h_MC`` the second input of a
-    ``"gelu_backward:*"``, ``"silu_*"`` producer (the GELU's or SiLU's input of a gradient, the
-    factor of ``"silu_mul"``; ``x``'s strides), else ``None``; ``y_MC`` the second factor of a
-    ``"silu_backward_mul"`` producer's gradient (``x``'s strides), else ``None``; ``g_MN``
+    ``"gelu_backward:*"`` or ``"gated*"`` producer (the activation's input of a gradient, the
+    second factor of a ``"gated:*"`` product; ``x``'s strides), else ``None``; ``y_MC`` the
+    second factor of a ``"gated_backward_mul:*"`` producer's gradient (``x``'s strides), else ``None``; ``g_MN``
     ``None`` where the rows are not written (``"identity"`` with one piece);
     ``colsum_part_PN`` ``None`` for no column sums, else ``t.programs`` rows whose sum is the
     column sums; ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose

@@ -34,24 +34,23 @@ from fsg._src.passes import float8_producers as producers
 aten = torch.ops.aten
 _FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 GELU, GELU_BACKWARD, CAT, SUM_DIM = producers.GELU, producers.GELU_BACKWARD, producers.CAT, aten.sum.dim_IntList
-FUSED_OPS = producers.FUSED_OPS
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
 LAYER_NORM, LAYER_NORM_FP8 = aten.native_layer_norm.default, torch.ops.fsg.layer_norm_fp8.default
 ADD, ADD_LAYER_NORM_FP8 = aten.add.Tensor, torch.ops.fsg.add_layer_norm_fp8.default
 # what each op returns, by name (g: the producer's output; colamax: [0] unless asked)
 OUTPUTS = {
-    FUSED_OPS[GELU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
-    FUSED_OPS[GELU]: ("g", "q", "inv", "colamax"),
-    FUSED_OPS[CAT]: ("g", "q", "inv", "colsum", "colamax"),
-    FUSED_OPS[producers.MUL]: ("g", "q", "inv", "colsum", "colamax"),
-    FUSED_OPS[producers.SILU_BACKWARD]: ("g", "q", "inv", "colsum", "colamax"),
+    producers.GELU_BACKWARD_FP8: ("g", "q", "inv", "colsum", "colamax"),
+    producers.GELU_FP8: ("g", "q", "inv", "colamax"),
+    producers.CAT_FP8: ("g", "q", "inv", "colsum", "colamax"),
+    producers.GATED_FP8: ("g", "q", "inv", "colsum", "colamax"),
+    producers.GATED_BACKWARD_FP8: ("g", "q", "inv", "colsum", "colamax"),
     ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
     LAYER_NORM_FP8: ("y", "mean", "rstd", "q", "inv"),
     ADD_LAYER_NORM_FP8: ("s", "y", "mean", "rstd", "q", "inv"),
 }
 # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
 FUSE_PRODUCERS = True
-FUSED_PRODUCERS = frozenset(FUSED_OPS)
+FUSED_PRODUCERS = producers.PRODUCERS
 # a rowwise operand a layer norm writes: the norm and its cast in one kernel (one read of the
 # norm's input), with the residual add it normalizes (``LN(x + r)``, ``fsg::add_layer_norm_fp8``,
 # which writes the sum too). On since 2026-12-06 (RESULTS.md): 355M 70.63-70.77 against 71.42 ms
@@ -95,20 +94,20 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
 
 
 def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
-    """If ``t`` (its rows flattened to 2-D) is the output of an op ``kernels/float8_cast.py``
-    fuses with the cast (``FUSED_OPS``: a GELU gradient, a GELU, a concatenation along the
-    rows), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
+    """If ``t`` (its rows flattened to 2-D) is the output of an op a kernel fuses with the cast
+    (``FUSED_PRODUCERS``: a GELU gradient, a GELU, a concatenation along the rows, a gated
+    MLP's product or gradient; ``passes/float8_producers.py``), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
     sums in one kernel: the op becomes the fused op, whose copy and inverse scales are ``t``'s
     cast, and each ``sum(t, [0])`` reads the fused column sums."""
     match = producer_match(t)
     if match is None:
         return
-    producer, args = match
+    producer, op, args = match
     column_amax = FUSE_COLUMN_AMAX and rows_base(t) is producer and producer in q.flipped
-    sums = (bool(column_sums(t)),) if producer.target in producers.TAKES_COLUMN_SUMS else ()
+    sums = (bool(column_sums(t)),) if op in producers.TAKES_COLUMN_SUMS else ()
     inputs = producer.all_input_nodes
     with q.graph.inserting_before(producer.next):
-        fused = q.call(FUSED_OPS[producer.target], (*args, *sums, column_amax))
+        fused = q.call(op, (*args, *sums, column_amax))
         out = outputs(q, fused)
         producer.replace_all_uses_with(out["g"])
         q.graph.erase_node(producer)
@@ -173,8 +172,8 @@ def _unflattened(t: fx.Node) -> fx.Node:
     return t
 
 
-def producer_match(t: fx.Node) -> tuple[fx.Node, tuple] | None:
-    """``t``'s producer (through flattening views) and its fused op's arguments, where
+def producer_match(t: fx.Node) -> tuple[fx.Node, Any, tuple] | None:
+    """``t``'s producer (through flattening views), its fused op and the op's arguments, where
     ``fused_producer`` applies."""
     producer = _unflattened(t)
     if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS:
@@ -184,8 +183,8 @@ def producer_match(t: fx.Node) -> tuple[fx.Node, tuple] | None:
         return None
     if g_val.dtype not in (torch.bfloat16, torch.float16) or not g_val.is_contiguous():  # the op writes g row-major
         return None
-    args = producers.fused_args(producer)
-    return None if args is None else (producer, args)
+    match = producers.fused(producer)
+    return None if match is None else (producer, *match)
 
 
 def layer_norm_match(t: fx.Node) -> fx.Node | None:

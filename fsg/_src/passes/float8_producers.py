@@ -1,9 +1,11 @@
 """The producers whose kernel a rowwise FP8 cast is computed in (``passes/float8_fuse.py``), and
 each one's fused op with its arguments: a GELU and its gradient, a concatenation of row
-pieces (``kernels/float8_cast.py``), and a gated MLP's SiLU products (``kernels/silu_fp8.py``).
+pieces (``kernels/float8_cast.py``), and a gated MLP's products and gradients
+(``kernels/gated_fp8.py``).
 
 A producer matches only where the fused kernel computes exactly what the graph does: inputs of
-the producer's shape, row-major, in one dtype (the kernel reads them as ``[M, N]`` rows).
+the producer's shape, row-major (or, for a gated product, strided rows sharing their strides),
+in one dtype.
 """
 
 from __future__ import annotations
@@ -11,53 +13,111 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsg._src.kernels import float8_cast, silu_fp8  # noqa: F401 - registers the fused ops
+from fsg._src.kernels import float8_cast, gated_fp8  # noqa: F401 - registers the fused ops
 
-aten = torch.ops.aten
+aten, fsg_ops = torch.ops.aten, torch.ops.fsg
 GELU, GELU_BACKWARD, CAT = aten.gelu.default, aten.gelu_backward.default, aten.cat.default
 MUL, SILU, SILU_BACKWARD = aten.mul.Tensor, aten.silu.default, aten.silu_backward.default
-FUSED_OPS = {
-    GELU_BACKWARD: torch.ops.fsg.gelu_backward_fp8.default,
-    GELU: torch.ops.fsg.gelu_fp8.default,
-    CAT: torch.ops.fsg.cat_rowwise_fp8.default,
-    MUL: torch.ops.fsg.silu_mul_fp8.default,  # silu(x) * h: a gated MLP's product, or its up-projection's gradient
-    SILU_BACKWARD: torch.ops.fsg.silu_backward_fp8.default,  # the gate's gradient, its product's factor fused
-}
+GELU_BACKWARD_FP8, GELU_FP8, CAT_FP8 = (
+    fsg_ops.gelu_backward_fp8.default,
+    fsg_ops.gelu_fp8.default,
+    fsg_ops.cat_rowwise_fp8.default,
+)
+GATED_FP8, GATED_BACKWARD_FP8 = fsg_ops.gated_fp8.default, fsg_ops.gated_backward_fp8.default
+# the ops a cast is fused into: a GELU's gradient (with its dy's product where it is one: a
+# gated GELU's), a GELU, a concatenation, a gated MLP's product act(x) * h, a SiLU's gradient
+PRODUCERS = frozenset({GELU_BACKWARD, GELU, CAT, MUL, SILU_BACKWARD})
 # the fused ops that take a ``column_sums`` flag (the others always return their column sums, or none)
-TAKES_COLUMN_SUMS = frozenset({MUL, SILU_BACKWARD})
+TAKES_COLUMN_SUMS = frozenset({GATED_FP8, GATED_BACKWARD_FP8})
 # the producer's inputs the fused op computes itself: erased once nothing else reads them
-ABSORBED = frozenset({SILU, MUL})
+ABSORBED = frozenset({SILU, GELU, MUL})
+_GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
-def fused_args(producer: fx.Node) -> tuple | None:
-    """The fused op's arguments for ``producer`` (``FUSED_OPS``; the column-sum and
-    column-amax flags follow), or ``None`` where the kernel does not cover it."""
-
-    def approximate(i: int) -> str:
-        return producer.kwargs.get("approximate", producer.args[i] if len(producer.args) > i else "none")
-
-    shape = producer.meta["val"].shape
+def fused(producer: fx.Node) -> tuple[object, tuple] | None:
+    """The fused op for ``producer`` (in ``PRODUCERS``) and its arguments (the column-sum flag,
+    where the op takes one, and the column-amax flag follow), or ``None`` where the kernels do
+    not cover it."""
     if producer.target is GELU_BACKWARD:
-        dy, h = producer.args[:2]
-        if approximate(2) not in float8_cast.APPROXIMATIONS or not _rows_like(producer, dy, h):
+        args = gelu_backward_args(producer)
+        if args is None:
             return None
-        return (dy, h, approximate(2))
+        factors = _sole_product(args[0])
+        if factors is not None:  # a gated GELU's gate gradient: gelu_backward(dy * y, h)
+            return GATED_BACKWARD_FP8, (factors[0], args[1], factors[1], _GELU_ACTIVATIONS[args[2]])
+        return GELU_BACKWARD_FP8, args
     if producer.target is GELU:
-        h = producer.args[0]
-        if not isinstance(h, fx.Node) or approximate(1) not in float8_cast.APPROXIMATIONS:
+        h, approximate = producer.args[0], _approximate(producer, 1)
+        if not isinstance(h, fx.Node) or approximate not in float8_cast.APPROXIMATIONS:
             return None
-        return (h, approximate(1)) if h.meta["val"].is_contiguous() else None
+        return (GELU_FP8, (h, approximate)) if h.meta["val"].is_contiguous() else None
     if producer.target is MUL:
-        return silu_mul_args(producer)
+        args = gated_args(producer)
+        return None if args is None else (GATED_FP8, args)
     if producer.target is SILU_BACKWARD:
-        return silu_backward_args(producer)
-    pieces, dim = producer.args[0], producer.args[1] if len(producer.args) > 1 else producer.kwargs.get("dim", 0)
-    if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:  # a concatenation of row pieces
+        if len(producer.args) != 2 or not _rows_like(producer, *producer.args):
+            return None
+        dy, h = producer.args
+        factors = _sole_product(dy)
+        return GATED_BACKWARD_FP8, (*(factors or (dy, None))[:1], h, (factors or (dy, None))[1], "silu")
+    args = cat_args(producer)
+    return None if args is None else (CAT_FP8, args)
+
+
+def _approximate(node: fx.Node, i: int) -> str:
+    return node.kwargs.get("approximate", node.args[i] if len(node.args) > i else "none")
+
+
+def gelu_backward_args(node: fx.Node) -> tuple | None:
+    """``(dy, h, approximate)`` of ``gelu_backward(dy, h)`` where the kernels cover it."""
+    dy, h = node.args[:2]
+    approximate = _approximate(node, 2)
+    if approximate not in float8_cast.APPROXIMATIONS or not _rows_like(node, dy, h):
+        return None
+    return (dy, h, approximate)
+
+
+def cat_args(node: fx.Node) -> tuple | None:
+    """``(pieces,)`` of a concatenation of 2 or 3 equal row pieces along the last dim."""
+    shape = node.meta["val"].shape
+    pieces, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim % len(shape) != len(shape) - 1 or not 2 <= len(pieces) <= 3:
         return None
     vals = [p.meta["val"] if isinstance(p, fx.Node) else None for p in pieces]
     if any(v is None or v.shape != vals[0].shape or v.dtype != vals[0].dtype or v.stride(-1) != 1 for v in vals):
         return None
     return (list(pieces),)
+
+
+def gated_args(mul: fx.Node) -> tuple | None:
+    """``(x, h, activation)`` where ``mul`` is ``act(x) * h`` or ``h * act(x)``, ``act`` a SiLU
+    or a GELU (``gated_fp8``)."""
+    if len(mul.args) != 2 or mul.kwargs:
+        return None
+    for act, h in (mul.args, mul.args[::-1]):
+        activation = _activation(act)
+        if activation is not None and _rows_like(mul, act) and _rows_like(mul, act.args[0], h, views=True):
+            return (act.args[0], h, activation)
+    return None
+
+
+def _activation(node: object) -> str | None:
+    """The ``gated_fp8`` activation ``node`` computes, if it is a SiLU or GELU of one tensor."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.target is SILU and not node.kwargs and len(node.args) == 1:
+        return "silu"
+    if node.target is GELU and set(node.kwargs) <= {"approximate"} and len(node.args) <= 2:
+        return _GELU_ACTIVATIONS.get(_approximate(node, 1))
+    return None
+
+
+def _sole_product(dy: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``(a, b)`` where ``dy`` is ``a * b`` of row-major tensors of its shape that nothing but
+    its one reader reads (the fused op computes it then)."""
+    if not (dy.op == "call_function" and dy.target is MUL and not dy.kwargs and len(dy.users) == 1):
+        return None
+    return tuple(dy.args) if len(dy.args) == 2 and _rows_like(dy, *dy.args) else None
 
 
 def _rows_like(producer: fx.Node, *inputs, views: bool = False) -> bool:
@@ -72,29 +132,3 @@ def _rows_like(producer: fx.Node, *inputs, views: bool = False) -> bool:
     if views:
         return all(v.stride(-1) == 1 and v.stride() == vals[0].stride() for v in vals)
     return all(v.is_contiguous() for v in vals)
-
-
-def _is(node: object, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target and not node.kwargs
-
-
-def silu_mul_args(mul: fx.Node) -> tuple | None:
-    """``(x, h)`` where ``mul`` is ``silu(x) * h`` or ``h * silu(x)`` (``silu_mul_fp8``)."""
-    if len(mul.args) != 2:
-        return None
-    for silu, h in (mul.args, mul.args[::-1]):
-        if _is(silu, SILU) and _rows_like(mul, silu) and _rows_like(mul, silu.args[0], h, views=True):
-            return (silu.args[0], h)
-    return None
-
-
-def silu_backward_args(node: fx.Node) -> tuple | None:
-    """``(dy, h, y)`` where ``node`` is ``silu_backward(dy * y, h)`` and nothing else reads the
-    product (``silu_backward_fp8`` computes it), else ``(dy, h, None)`` for
-    ``silu_backward(dy, h)``."""
-    if len(node.args) != 2 or not _rows_like(node, *node.args):
-        return None
-    dy, h = node.args
-    if _is(dy, MUL) and len(dy.users) == 1 and len(dy.args) == 2 and _rows_like(dy, *dy.args):
-        return (*dy.args[:1], h, dy.args[1])
-    return (dy, h, None)

@@ -86,7 +86,7 @@ def _fused_args(node: fx.Node) -> tuple | None:
         return None
     if not val.is_contiguous() or not val.numel() or not use_triton(val):
         return None
-    args = float8_producers.fused_args(node)
+    args = (float8_producers.gelu_backward_args if node.target is GELU_BACKWARD else float8_producers.cat_args)(node)
     inputs = args[:2] if node.target is GELU_BACKWARD else args[0] if args else ()
     return args if args and all(x.meta["val"].dtype == val.dtype for x in inputs) else None
 

@@ -1,4 +1,4 @@
-"""The gated MLP's fused FP8 casts (``kernels/silu_fp8.py``) on CUDA, in bf16: each kernel
+"""The gated MLP's fused FP8 casts (``kernels/gated_fp8.py``) on CUDA, in bf16: each kernel
 against the unfused aten ops, and a Llama-style step under Inductor with the casts fused
 against the step whose casts Inductor computes (skipped without a GPU)."""
 
@@ -18,20 +18,24 @@ def _bf16(shape, scale, seed):
     return (torch.randn(shape, generator=g, device="cuda") * scale).bfloat16()
 
 
-@pytest.mark.parametrize("op", ["silu_mul", "silu_backward", "silu_backward_mul"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("op", ["gated", "gated_backward", "gated_backward_mul"])
 @pytest.mark.parametrize("shape", [(16, 1024, 2816), (3, 100, 200), (2048, 8192)])
-def test_fused_silu_kernels_match_the_unfused_ops(shape, op):
-    """``g`` to aten's ops (their exp may differ from Triton's in the last bit), the FP8 copy
-    the cast of the kernel's own ``g`` with its own scales, the scales and column sums to the
-    reference's, the column maxima exactly the kernel's ``g``'s."""
-    from fsg._src.kernels import silu_fp8 as S
+def test_fused_gated_kernels_match_the_unfused_ops(shape, op, activation):
+    """``g`` to aten's ops (their exp/erf may differ from Triton's in the last bit), the FP8
+    copy the cast of the kernel's own ``g`` with its own scales, the scales and column sums to
+    the reference's, the column maxima exactly the kernel's ``g``'s."""
+    from fsg._src.kernels import gated_fp8 as G
 
+    if op == "gated_backward" and activation != "silu":
+        pytest.skip("a GELU's gradient without a factor is gelu_backward_fp8's (test_float8_cuda.py)")
     x, h, dy = _bf16(shape, 2.0, 0), _bf16(shape, 3.0, 1), _bf16(shape, 1e-2, 2)
-    if op == "silu_mul":  # g = silu(x) * h
-        out, ref = S.silu_mul_fp8(x, h, True, True), S.silu_mul_fp8_reference(x, h, True)
-    else:  # g = silu_backward(dy * x, h), or silu_backward(dy, h)
-        factor = x if op == "silu_backward_mul" else None
-        out, ref = S.silu_backward_fp8(dy, h, factor, True, True), S.silu_backward_fp8_reference(dy, h, factor, True)
+    if op == "gated":  # g = act(x) * h
+        out, ref = G.gated_fp8(x, h, activation, True, True), G.gated_fp8_reference(x, h, activation, True)
+    else:  # g = act_backward(dy * x, h), or act_backward(dy, h)
+        y = x if op == "gated_backward_mul" else None
+        out = G.gated_backward_fp8(dy, h, y, activation, True, True)
+        ref = G.gated_backward_fp8_reference(dy, h, y, activation, True)
     g, q, inv, colsum, colamax = out
     g_ref, _, inv_ref, colsum_ref, _ = ref
     torch.testing.assert_close(g, g_ref, rtol=2**-7, atol=2**-8 * float(g_ref.abs().max()) * 2**-8)
@@ -45,22 +49,23 @@ def test_fused_silu_kernels_match_the_unfused_ops(shape, op):
 
 
 class _Block(nn.Module):
-    """A pre-norm residual block with a Llama MLP (no biases)."""
+    """A pre-norm residual block with a gated MLP (no biases)."""
 
-    def __init__(self, width, hidden):
+    def __init__(self, width, hidden, act):
         super().__init__()
         self.norm = nn.RMSNorm(width)
         self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
-        self.down = nn.Linear(hidden, width, bias=False)
+        self.down, self.act = nn.Linear(hidden, width, bias=False), act
 
     def forward(self, x):
         h = self.norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.down(self.act(self.gate(h)) * self.up(h))
 
 
 @needs_fp8
-def test_gated_mlp_step_under_inductor_equals_the_unfused_step(monkeypatch):
-    """Inductor + graph replay, two blocks and a head: the step with the fused SiLU casts
+@pytest.mark.parametrize("act", [F.silu, lambda v: F.gelu(v, approximate="tanh")], ids=["silu", "gelu_tanh"])
+def test_gated_mlp_step_under_inductor_equals_the_unfused_step(monkeypatch, act):
+    """Inductor + graph replay, two blocks and a head: the step with the fused gated casts
     tracks the one whose casts Inductor builds op by op, and learns."""
     from fsg._src.passes import float8_fuse
 
@@ -71,15 +76,15 @@ def test_gated_mlp_step_under_inductor_equals_the_unfused_step(monkeypatch):
     for fuse in (True, False):
         monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", fuse)
         torch.manual_seed(0)
-        model = nn.Sequential(_Block(256, 704), _Block(256, 704), nn.Linear(256, 256)).cuda()
+        model = nn.Sequential(_Block(256, 704, act), _Block(256, 704, act), nn.Linear(256, 256)).cuda()
         step = fsg.compile_step(
             lambda p, b: F.mse_loss(fsg.apply(model, p, b["x"]).float(), b["y"]),
             optimizer=fsg.optim.adamw(1e-3), precision=policy, backend="inductor",
         )  # fmt: skip
         state = step.init(fsg.params(model))
         counts = step.lower(state, batches[0]).op_counts()
-        assert counts.get("fsg.silu_mul_fp8", 0) == (4 if fuse else 0), counts
-        assert counts.get("fsg.silu_backward_fp8", 0) == (2 if fuse else 0), counts
+        assert counts.get("fsg.gated_fp8", 0) == (4 if fuse else 0), counts
+        assert counts.get("fsg.gated_backward_fp8", 0) == (2 if fuse else 0), counts
         runs[fuse] = []
         for b in batches:
             state, m = step(state, b)

@@ -1,10 +1,10 @@
-"""The gated MLP's fused FP8 casts (``kernels/silu_fp8.py``: ``silu(x) * h``, the SiLU gradient
-with and without its product's factor) under Triton's CPU interpreter, against the eager
-references, which are the unfused graph's aten ops.
+"""The gated MLP's fused FP8 casts (``kernels/gated_fp8.py``: ``act(x) * h`` and the
+activation's gradient with and without its product's factor, for a SiLU and both GELUs) under
+Triton's CPU interpreter, against the eager references, which are the unfused graph's aten ops.
 
 float32 inputs and a float32 buffer for the FP8 copy, as ``test_float8_cast.py`` explains (the
 interpreter's bf16 and FP8 conversions are wrong); the bf16 kernels are checked on the GPU
-(tests/gpu/test_float8_cuda.py).
+(tests/gpu/test_gated_fp8_cuda.py).
 """
 
 import pytest
@@ -13,18 +13,21 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsg._src.kernels import silu_fp8 as S
+from fsg._src.kernels import gated_fp8 as G
 from fsg._src.kernels._common import RowTiling
-from fsg._src.kernels.float8_cast_kernel import launch
+from fsg._src.kernels.float8_cast_kernel import ACTIVATIONS, launch
 from tests.kernels.common import KERNEL, needs_triton, rel
 
-PRODUCERS = ("silu_mul", "silu_backward", "silu_backward_mul")
+# (kernel producer, activation, takes the factor y): every gated producer the kernel has
+PRODUCERS = [(f"gated:{a}", a, False) for a in ACTIVATIONS] + [("gated_backward:silu", "silu", False)] + [
+    (f"gated_backward_mul:{a}", a, True) for a in ACTIVATIONS
+]
 
 
-def reference(producer, x, h, y, column_amax=False):
-    if producer == "silu_mul":
-        return S.silu_mul_fp8_reference(x, h, True, column_amax)
-    return S.silu_backward_fp8_reference(x, h, y, True, column_amax)
+def reference(producer, activation, x, h, y, column_amax=False):
+    if producer.startswith("gated:"):
+        return G.gated_fp8_reference(x, h, activation, True, column_amax)
+    return G.gated_backward_fp8_reference(x, h, y, activation, True, column_amax)
 
 
 @needs_triton
@@ -37,16 +40,18 @@ def test_kernel_writes_every_output_and_matches_the_reference(producer, m, n, it
     """Each producer, over tilings that leave partly masked tiles: ``g``, its scaled rows, the
     inverse scales and the column sums equal the reference's; the column maxima are those of
     ``|g|`` as written, exactly; a row of zeros gets a finite scale and zeros."""
+    producer, activation, with_y = producer
     g_ = torch.Generator().manual_seed(seed)
-    x, h, y = (torch.randn(m, n, generator=g_) * s for s in (3.0, 4.0, 2.0))
+    # |h| <= 5: past -5 a GELU's derivative is float32's cancellation noise (test_float8_cast.py)
+    x, h, y = torch.randn(m, n, generator=g_) * 3, (torch.randn(m, n, generator=g_) * 3).clamp(-5, 5), torch.randn(m, n)
     x[0] = 0.0
-    if producer == "silu_mul":
-        h[0] = 0.0  # silu(0) is 0 already; the factor's row too, for symmetry
+    h[0] = 0.0
+    y = y if with_y else None
     t = RowTiling(m, n, rows=rows, iters=iters)
     g, q, inv = (torch.full(s, float("nan")) for s in ((m, n), (m, n), (m, 1)))
     part, amax_part = torch.full((t.programs, n), float("nan")), torch.zeros(1 + seed % 3, n)
-    launch([x], h, g, q, inv, part, producer, t, amax_part, y_MC=y if producer == "silu_backward_mul" else None)
-    g_ref, _, inv_ref, colsum_ref, _ = reference(producer, x, h, y if producer == "silu_backward_mul" else None)
+    launch([x], h, g, q, inv, part, producer, t, amax_part, y_MC=y)
+    g_ref, _, inv_ref, colsum_ref, _ = reference(producer, activation, x, h, y)
     assert not (g.isnan().any() or q.isnan().any() or inv.isnan().any())
     assert rel(g, g_ref) < 1e-5 and rel(inv, inv_ref) < 1e-5 and rel(part.sum(0), colsum_ref) < 1e-5
     assert rel(q, (g_ref / inv_ref).clamp(-448, 448)) < 1e-5 and not q[0].any()
@@ -56,17 +61,18 @@ def test_kernel_writes_every_output_and_matches_the_reference(producer, m, n, it
 
 
 @needs_triton
-@pytest.mark.parametrize("column_sums", [False, True])
-@pytest.mark.parametrize("column_amax", [False, True])
-def test_the_ops_on_3d_inputs_launch_the_kernel(column_sums, column_amax):
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("column_sums, column_amax", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_ops_on_3d_inputs_launch_the_kernel(activation, column_sums, column_amax):
     """The registered ops flatten ``[B, T, N]`` to rows; column sums and maxima only when asked."""
     x, h, y = (torch.randn(3, 7, 48) * 3 for _ in range(3))
-    for out, ref in (
-        (S.silu_mul_fp8(x, h, column_sums, column_amax), S.silu_mul_fp8_reference(x, h, True, True)),
-        (S.silu_backward_fp8(x, h, y, column_sums, column_amax), S.silu_backward_fp8_reference(x, h, y, True, True)),
-        (S.silu_backward_fp8(x, h, None, column_sums, column_amax), S.silu_backward_fp8_reference(x, h, None, True, True)),
-    ):  # fmt: skip
-        g, q, inv, colsum, colamax = out
+    cases = [(G.gated_fp8(x, h, activation, column_sums, column_amax), G.gated_fp8_reference(x, h, activation, True))]
+    for factor in (y, None) if activation == "silu" else (y,):
+        cases.append((
+            G.gated_backward_fp8(x, h, factor, activation, column_sums, column_amax),
+            G.gated_backward_fp8_reference(x, h, factor, activation, True),
+        ))  # fmt: skip
+    for (g, q, inv, colsum, colamax), ref in cases:
         assert g.shape == x.shape and q.shape == (21, 48) and q.dtype == torch.float8_e4m3fn and inv.shape == (21, 1)
         assert rel(g, ref[0]) < 1e-5 and rel(inv, ref[2]) < 1e-5
         assert colsum.shape == ((48,) if column_sums else (0,)) and colamax.shape == ((48,) if column_amax else (0,))
@@ -76,23 +82,33 @@ def test_the_ops_on_3d_inputs_launch_the_kernel(column_sums, column_amax):
             assert torch.equal(colamax, g.reshape(21, 48).abs().amax(0))
 
 
-def test_references_are_the_gated_mlps_values_and_gradients():
-    """``silu_mul`` is ``silu(x) * h`` in the input dtype; ``silu_backward(dy * y, h)`` is the
-    gradient autograd gives the gate's output of ``silu(gate) * y``; the casts are the
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_references_are_the_gated_mlps_values_and_gradients(activation):
+    """``gated`` is ``act(x) * h`` in the input dtype; ``act_backward(dy * y, h)`` is the
+    gradient autograd gives the gate's output of ``act(gate) * y``; the casts are the
     unfused rowwise casts of the bf16 rows."""
+    act = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
     gate, up, dy = (torch.randn(10, 64, dtype=torch.bfloat16) * 3 for _ in range(3))
-    g, q, inv, colsum, colamax = S.silu_mul_fp8_reference(gate, up, True, True)
-    assert g.dtype == torch.bfloat16 and torch.equal(g, F.silu(gate) * up)
+    g, q, inv, colsum, colamax = G.gated_fp8_reference(gate, up, activation, True, True)
+    assert g.dtype == torch.bfloat16 and torch.equal(g, act(gate) * up)
     scale = 448.0 / g.float().abs().amax(1, keepdim=True)
     assert torch.equal(q, (g.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn))
     assert rel(inv, 1 / scale) < 1e-6 and rel(colsum, g.float().sum(0)) < 1e-6
     assert torch.equal(colamax, g.float().abs().amax(0))
     gate_ = gate.float().requires_grad_()
-    (F.silu(gate_) * up.float() * dy.float()).sum().backward()
-    d_gate = S.silu_backward_fp8_reference(dy, gate, up)[0]
+    (act(gate_) * up.float() * dy.float()).sum().backward()
+    d_gate = G.gated_backward_fp8_reference(dy, gate, up, activation)[0]
     assert d_gate.dtype == torch.bfloat16 and rel(d_gate.float(), gate_.grad) < 1e-2
-    assert torch.equal(S.silu_backward_fp8_reference(dy * up, gate)[0], d_gate)  # the product, rounded first
-    assert S.silu_mul_fp8_reference(gate, up)[3].shape == (0,)  # no column sums unless asked
+    assert torch.equal(G.activation_backward_reference(dy * up, gate, activation), d_gate)  # the product rounded first
+    assert G.gated_fp8_reference(gate, up, activation)[3].shape == (0,)  # no column sums unless asked
+
+
+def test_bad_activations_are_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        G.gated_fp8(x, x, "relu")
+    with pytest.raises(ValueError, match="SiLU only"):
+        G.gated_backward_fp8(x, x, None, "gelu")
 
 
 @pytest.mark.parametrize("column_sums", [False, True])
@@ -101,10 +117,10 @@ def test_fake_shapes_match_the_real_ops(column_sums, column_amax):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = torch.randn(2, 5, 32)
-    real = [S.silu_mul_fp8(x, x, column_sums, column_amax), S.silu_backward_fp8(x, x, x, column_sums, column_amax)]
+    real = [G.gated_fp8(x, x, "silu", column_sums, column_amax), G.gated_backward_fp8(x, x, x, "gelu", column_sums, column_amax)]
     with FakeTensorMode() as mode:
         f = mode.from_tensor(x)
-        fake = [S.silu_mul_fp8(f, f, column_sums, column_amax), S.silu_backward_fp8(f, f, None, column_sums, column_amax)]
+        fake = [G.gated_fp8(f, f, "silu", column_sums, column_amax), G.gated_backward_fp8(f, f, f, "gelu", column_sums, column_amax)]
     for r, fk in zip(real, fake):
         assert [(t.shape, t.dtype) for t in fk] == [(t.shape, t.dtype) for t in r]
 
@@ -116,10 +132,10 @@ def test_the_halves_of_a_fused_gate_and_up_projection_are_read_in_place():
     values; inputs of different strides are copied to rows first, with the same result."""
     gate_up = torch.randn(3, 7, 96) * 3
     gate, up = gate_up.chunk(2, -1)
-    views = S._rows(gate, up)
+    views = G._rows(gate, up)
     assert [v.data_ptr() for v in views] == [gate.data_ptr(), up.data_ptr()] and views[0].stride() == (96, 1)
-    ref = S.silu_mul_fp8_reference(gate, up, True, True)
+    ref = G.gated_fp8_reference(gate, up, "silu", True, True)
     for h in (up, up.contiguous()):  # shared strides; different strides (copied)
-        g, q, inv, colsum, colamax = S.silu_mul_fp8(gate, h, True, True)
+        g, q, inv, colsum, colamax = G.gated_fp8(gate, h, "silu", True, True)
         assert g.shape == (3, 7, 48) and g.is_contiguous() and rel(g, ref[0]) < 1e-5 and rel(inv, ref[2]) < 1e-5
         assert rel(colsum, ref[3]) < 1e-5 and torch.equal(colamax, g.reshape(21, 48).abs().amax(0))
