@@ -215,17 +215,42 @@ def test_an_evaluation_step_over_a_block_mask_from_the_batch_is_refused_under_in
     torch.testing.assert_close(fsg.compile_eval(evaluate, backend="aot_eager")(state, x), evaluate(params, x))
 
 
-def test_a_block_mask_per_sequence_built_outside_is_not_refused_by_the_cuda_rule():
-    """One mask a sequence (B > 1), read as a constant: refused until it trained right on an H100
-    (tests/gpu/test_flex_attention_cuda.py, RESULTS.md 2026-12-06); a built-in mask still is."""
+def test_a_block_mask_per_sequence_is_refused_on_cuda_and_evaluates_as_eager_on_cpu():
+    """One mask a sequence (B > 1), built outside the step (read as a constant): not a mask
+    built in the step; refused by the CUDA rule (a Hugging Face model's step with one was 8e-4
+    off eager on an H100, RESULTS.md 2026-12-06), by name and with the fixes; on CPU not
+    refused, and the Hugging Face model's Inductor evaluation over packed documents equals its
+    eager call; a mask the sequences share is not refused anywhere."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     from fsg._src.backend import flex_attention as backend_flex
 
-    per_sequence = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv >= b), 2, None, 32, 32, device="cpu")
+    T = 32  # _flex_llama_eval_graph's sequence length
+    document = torch.stack([torch.arange(T) // 12, torch.arange(T) // 20])
+    keep = lambda b, h, q, kv: (q >= kv) & (document[b, q] == document[b, kv])  # noqa: E731
+    per_sequence = create_block_mask(keep, 2, None, T, T, device="cpu")
     gm = _flex_llama_eval_graph(attention_mask=per_sequence)
-    assert backend_flex.block_masks_built_in_graph(gm) == []
-    backend_flex.refuse_block_masks_built_in_graph(gm)  # passes
+    assert backend_flex.block_masks_built_in_graph(gm) == [] and backend_flex.per_sequence_block_masks(gm)
+    backend_flex.refuse_block_masks_built_in_graph(gm)  # not built in the step
+    backend_flex.refuse_per_sequence_block_masks(gm)  # a CPU graph: not the CUDA rule's
+    with pytest.raises(fsg.UnsupportedError, match=r"one mask per sequence \(B > 1.*aot_eager.*B=None"):
+        backend_flex.refuse_per_sequence_block_masks(gm, devices=("cpu",))
+    shared = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T, device="cpu")
+    assert backend_flex.per_sequence_block_masks(_flex_llama_eval_graph(attention_mask=shared)) == []
+    assert backend_flex.per_sequence_block_masks(_flex_llama_eval_graph()) == []  # the model's own: one for all
+
+    model = flex_llama(64).eval()
+    ids = torch.randint(0, 100, (2, T))
+
+    def loss_fn(params, ids):
+        return fsg.apply(model, params, input_ids=ids, labels=ids, attention_mask=per_sequence).loss
+
+    state = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), backend="eager").init(fsg.params(model))
+    got = fsg.compile_eval(loss_fn)(state, ids)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(input_ids=ids, labels=ids, attention_mask=per_sequence).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_hugging_face_model_with_an_outside_block_mask_evaluates_as_eager():

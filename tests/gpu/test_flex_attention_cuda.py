@@ -59,13 +59,23 @@ def test_flex_attention_steps_as_eager(backend, mask):
     _sgd_step_matches_eager(loss_fn, init, torch.randn(2, 256, 64, device="cuda"), backend)  # slopes: read by ALiBi only
 
 
-@pytest.mark.parametrize("mask", ["own", "outside", "outside_per_sequence"])
-def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
+OFF_BY_8E4 = "the loss 4.6274 against eager's 4.6312 on an H100, 2026-12-06: refused (REFUSE_PER_SEQUENCE)"
+
+
+@pytest.mark.parametrize(
+    "mask", ["own", "outside", pytest.param("outside_per_sequence", marks=pytest.mark.xfail(strict=False, reason=OFF_BY_8E4))]
+)
+def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask, monkeypatch):
     """``own``: the model builds its causal mask in each forward, which fsg computes once when
     it traces the step (trace/block_masks.py); ``outside``: the causal BlockMask passed as
     the model's ``attention_mask``; ``outside_per_sequence``: a mask per sequence (packed
-    documents, split differently in each). The reference is the model's eager call."""
+    documents, split differently in each), with its refusal off. The reference is the model's
+    eager call."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    from fsg._src.backend import flex_attention as backend_flex
+
+    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
 
     model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
@@ -115,24 +125,26 @@ def test_a_block_mask_from_the_batch_is_refused_under_inductor():
     _sgd_step_matches_eager(loss_fn, init, x, backend="aot_eager")
 
 
+LOWERING = pytest.mark.xfail(strict=False, reason='Inductor\'s lowering failed on an H100, 2026-12-06: "convert FlexibleLayout to FixedLayout first"')
+
+
 @pytest.mark.parametrize(
     "where",
-    [
-        "outside_per_sequence",
-        "inside_shared",
-        pytest.param("inside_per_sequence", marks=pytest.mark.xfail(strict=False, reason="failed on the H100, 2026-12-06 (the failure not recorded)")),
-    ],
+    ["outside_per_sequence", pytest.param("inside_shared", marks=LOWERING), pytest.param("inside_per_sequence", marks=LOWERING)],
 )
 def test_each_refused_block_mask_condition_alone(monkeypatch, where):
     """The Hugging Face mask measured wrong was built inside the step and per sequence. Each
-    alone, with the refusal off. On an H100 (2026-12-06) ``outside_per_sequence`` passed (so a
-    mask per sequence is no longer refused), ``inside_shared`` failed inside Inductor on the
-    ``lengths[0]`` constant of its mask function (made an op since: trace/subgraph_constants.py)."""
+    alone, with the refusals off. On an H100 (2026-12-06) ``outside_per_sequence`` passed twice
+    (yet a Hugging Face model with one did not: below, so it is refused again);
+    ``inside_shared`` failed inside Inductor first on the ``lengths[0]`` constant of its mask
+    function (made an op since: trace/subgraph_constants.py), then in the lowering, as
+    ``inside_per_sequence`` did."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fsg._src.backend import flex_attention as backend_flex
 
     monkeypatch.setattr(backend_flex, "REFUSE_BUILT_IN_GRAPH", False)
+    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 192).cuda()
     per_sequence = where.endswith("per_sequence")
@@ -154,6 +166,27 @@ def test_each_refused_block_mask_condition_alone(monkeypatch, where):
     _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
 
 
+def test_a_block_mask_per_sequence_from_outside_is_refused_under_inductor():
+    """A mask per sequence built outside the step: refused on CUDA under Inductor (see
+    ``OFF_BY_8E4``), with the fixes named; ``aot_eager`` trains it as eager."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 192).cuda()
+    lengths = torch.tensor([256, 100], device="cuda")
+    mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, 256, 256, device="cuda")
+
+    def loss_fn(params, x):
+        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return flex_attention(q, k, v, block_mask=mask).square().mean()
+
+    x, init = torch.randn(2, 256, 64, device="cuda"), {k: v.detach() for k, v in lin.named_parameters()}
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(1.0))
+    with pytest.raises(fsg.UnsupportedError, match="one mask per sequence.*aot_eager"):
+        step(step.init(init), x)
+    _sgd_step_matches_eager(loss_fn, init, x, backend="aot_eager")
+
+
 def test_scalar_constants_in_the_mask_and_score_functions_train_as_eager():
     """``lengths[0]`` in ``mask_mod`` and ``torch.tensor(0.5)`` in ``score_mod``: constants of their
     subgraphs, made ops in stage 1 (trace/subgraph_constants.py); Inductor failed on them before."""
@@ -172,18 +205,22 @@ def test_scalar_constants_in_the_mask_and_score_functions_train_as_eager():
     _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
 
 
-@pytest.mark.parametrize("where", ["hf_own_unfolded", "inside_per_sequence", "from_the_batch"])
+@pytest.mark.parametrize(
+    "where", ["hf_own_unfolded", pytest.param("inside_per_sequence", marks=LOWERING), pytest.param("from_the_batch", marks=LOWERING)]
+)
 def test_block_masks_computed_in_the_step_train_as_eager_with_contiguous_copies(monkeypatch, where):
     """``CONTIGUOUS_BLOCK_MASKS`` (backend/flex_attention.py, off): the candidate fix of the wrong
     gradients with a mask computed in the step (Inductor's templates index the mask's tensors as
-    contiguous, asking only a unit last stride). Not yet run on a GPU when written: where it
-    passes, the flag goes on and the CUDA refusal goes."""
+    contiguous, asking only a unit last stride). On an H100 (2026-12-06) the Hugging Face
+    model's own mask left in the step trained as eager with it (wrong gradients without), and
+    the masks per sequence from the batch failed in Inductor's lowering: the flag stays off."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fsg._src.backend import flex_attention as backend_flex
     from fsg._src.trace import block_masks
 
     monkeypatch.setattr(backend_flex, "CONTIGUOUS_BLOCK_MASKS", True)
+    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
     if where == "hf_own_unfolded":  # the failing case: the model's causal mask left in the step
         monkeypatch.setattr(block_masks, "fold", lambda gm: 0)
         model = flex_llama(256).cuda()

@@ -14,9 +14,12 @@
 - Under Inductor, a block mask the step computes from its inputs (a padding mask from the
   batch; masks from constants alone were computed once in stage 1, ``trace/block_masks.py``) is
   refused (``refuse_block_masks_built_in_graph``): on CUDA fsg's Inductor step computed wrong
-  gradients with a mask built in the step for each sequence on an H100 (torch 2.11), while masks
-  read as constants, one for all sequences or one each, train correctly; on CPU Inductor cannot
+  gradients with a mask built in the step for each sequence on an H100 (torch 2.11), while a
+  mask read as a constant, one for all sequences, trains correctly; on CPU Inductor cannot
   lower it.
+- On CUDA under Inductor, a block mask per sequence (``B > 1``) is refused too
+  (``refuse_per_sequence_block_masks``): a Hugging Face Llama given one from outside the step
+  took a step whose loss was 8e-4 off eager's on an H100 (torch 2.11), not yet root-caused.
 - Under Inductor (any device), a tensor constant with elements made inside a ``mask_mod`` or
   ``score_mod`` is refused by name (``refuse_subgraph_tensor_constants``): Inductor's second
   trace of the subgraph fails inside torch on it. Scalar ones (``lengths[0]``) were made ops in
@@ -123,9 +126,10 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
 
 # Refused under Inductor: a block mask the step computes. On CUDA measured wrong (the gradients of a
 # Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
-# once, on an H100 with torch 2.11); a mask per sequence (B > 1), which the failing mask also was,
-# was refused too until it trained right alone, built outside the step (H100, 2026-12-06). On CPU
-# Inductor cannot lower it (torch 2.13: "NoValidChoicesError" from the CPU template).
+# once, on an H100 with torch 2.11; the thirty-seventh session: with CONTIGUOUS_BLOCK_MASKS that
+# model trained as eager, while masks per sequence computed from the batch failed inside Inductor's
+# lowering, "convert FlexibleLayout to FixedLayout first"). On CPU Inductor cannot lower it (torch
+# 2.13: "NoValidChoicesError" from the CPU template).
 REFUSE_BUILT_IN_GRAPH = True
 _WHY = {
     "cuda": "its Inductor step computed wrong gradients with a mask built inside the step (torch 2.11, H100), and "
@@ -139,8 +143,11 @@ _WHY = {
 # templates index them as contiguous ("KV_IDX and KV_NUM_BLKS are always contiguous": the batch
 # offset is ``b * H * stride(1)``, ``stride(0)`` never read) but ask only a unit last stride of them
 # (``realize_inputs``), so a computed tensor laid out otherwise (a batch dim of stride 0: one mask
-# expanded over the sequences) is read at wrong offsets for every sequence but the first. Off until
-# measured on a GPU.
+# expanded over the sequences) is read at wrong offsets for every sequence but the first. Measured on
+# an H100 (2026-12-06): it fixes the Hugging Face model's own mask left in the step (wrong gradients
+# before, eager's with it), but masks computed from the batch per sequence still fail in Inductor's
+# lowering, and the model's own mask is computed once in stage 1 anyway (trace/block_masks.py), so
+# it stays off and such masks stay refused.
 CONTIGUOUS_BLOCK_MASKS = False
 
 
@@ -203,6 +210,37 @@ def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ..
         "backend='aot_eager' (correct, slower), or build the mask outside loss_fn and use it there (captured, or a "
         "Hugging Face model's attention_mask=create_block_mask(causal, None, None, T, T, device='cuda')) "
         "(docs/models.md#flexattention-and-other-higher-order-operators)."
+    )
+
+
+# Refused on CUDA under Inductor: a block mask per sequence (B > 1), built outside the step too. A
+# Hugging Face Llama given one (packed documents split differently in two sequences) took a step
+# whose loss was 8e-4 off its eager call's on an H100 (torch 2.11, 2026-12-06; tests/gpu/
+# test_flex_attention_cuda.py), though a plain FlexAttention over a per-sequence length mask
+# matched eager; on CPU the same model's evaluation equals eager. Not root-caused (which of the
+# two compiled kernels is off was not measured before the device time ran out): refused, not run.
+REFUSE_PER_SEQUENCE = True
+
+
+def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
+    """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
+    its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]`` with ``B > 1``)."""
+    return [node for node, _, tensors in block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
+
+
+def refuse_per_sequence_block_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
+    """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
+    mask per sequence, while ``REFUSE_PER_SEQUENCE`` (see there)."""
+    found = [n for n in per_sequence_block_masks(gm) if n.args[0].meta["val"].device.type in devices]
+    if not REFUSE_PER_SEQUENCE or not found:
+        return
+    first = next((n for n in found if _is_flex(n)), found[0])
+    raise UnsupportedError(
+        f"fsg: FlexAttention at {purity.user_frame_of_node(first)} reads a BlockMask with one mask per sequence (B > 1 "
+        f"in create_block_mask), on {first.args[0].meta['val'].device.type} under backend='inductor'. fsg refuses it: a "
+        "Hugging Face model given such a mask took a step whose loss differed from eager's by 8e-4 (torch 2.11, H100; "
+        "not yet root-caused). Pass backend='aot_eager' (correct, slower), or a mask the sequences share (B=None in "
+        "create_block_mask) (docs/models.md#flexattention-and-other-higher-order-operators)."
     )
 
 

@@ -99,6 +99,7 @@ class InductorStep:
 
     def __init__(self, gm: fx.GraphModule):
         flex_attention.refuse_block_masks_built_in_graph(gm)
+        flex_attention.refuse_per_sequence_block_masks(gm)
         flex_attention.refuse_subgraph_tensor_constants(gm)
         gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
         self._num_outputs = keep_rng_state_alive(gm)
