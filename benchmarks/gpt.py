@@ -142,6 +142,7 @@ def run_torch(impl: str, args) -> dict:
     import fsg
     from examples.gpt import GPT, GPTConfig
 
+    auto_figures = impl.endswith("-auto")  # (the suffix is taken off below)
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
@@ -290,10 +291,11 @@ def run_torch(impl: str, args) -> dict:
     handler.emit = lambda record: stages.append(record.getMessage())
     logging.getLogger("fsg").addHandler(handler)
     logging.getLogger("fsg").setLevel(logging.INFO)
-    if impl.endswith("-auto"):  # Float8(filter="auto"): its decision and each kept layer's figures, to stderr
-        decisions = logging.StreamHandler(sys.stderr)
-        decisions.addFilter(lambda r: "filter='auto') on" in r.getMessage() or "its FP8 GEMMs save" in r.getMessage())
-        logging.getLogger("fsg").addHandler(decisions)
+    if auto_figures:  # Float8(filter="auto"): each kept layer's figures (DEBUG) in the result too
+        figures = logging.Handler(logging.DEBUG)
+        figures.addFilter(lambda r: r.levelno < logging.INFO and "its FP8 GEMMs save" in r.getMessage())
+        figures.emit = lambda record: stages.append(record.getMessage())
+        logging.getLogger("fsg").addHandler(figures)
         logging.getLogger("fsg").setLevel(logging.DEBUG)
     profile_to = os.environ.get("FSG_PROFILE_FIRST_CALL")  # a path: cProfile of the first call
     if profile_to:
