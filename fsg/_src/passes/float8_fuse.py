@@ -3,7 +3,7 @@
 reductions over the tensor.
 
 - A rowwise operand whose producer is in ``FUSED_PRODUCERS`` (a GELU gradient, a GELU, a
-  concatenation of row pieces, a gated MLP's ``silu(x) * h`` and SiLU gradient:
+  concatenation of row pieces, a gated MLP's ``act(x) * h`` and its gate's gradient:
   ``passes/float8_producers.py``): the producer, its cast and, where a bias gradient sums the
   tensor, its column sums become one op.
 - A rowwise operand a layer norm produces (with ``FUSE_LAYER_NORMS``): the norm and the cast
@@ -96,9 +96,10 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
 def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     """If ``t`` (its rows flattened to 2-D) is the output of an op a kernel fuses with the cast
     (``FUSED_PRODUCERS``: a GELU gradient, a GELU, a concatenation along the rows, a gated
-    MLP's product or gradient; ``passes/float8_producers.py``), computes it, its rowwise FP8 copy and, where a bias gradient sums it, its column
-    sums in one kernel: the op becomes the fused op, whose copy and inverse scales are ``t``'s
-    cast, and each ``sum(t, [0])`` reads the fused column sums."""
+    MLP's product or gradient; ``passes/float8_producers.py``), computes it, its rowwise FP8
+    copy and, where a bias gradient sums it, its column sums in one kernel: the op becomes the
+    fused op, whose copy and inverse scales are ``t``'s cast, and each ``sum(t, [0])`` reads
+    the fused column sums."""
     match = producer_match(t)
     if match is None:
         return
@@ -111,7 +112,7 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         out = outputs(q, fused)
         producer.replace_all_uses_with(out["g"])
         q.graph.erase_node(producer)
-    for node in inputs:  # what the fused op computes itself (a SiLU, a product), where nothing else reads it
+    for node in inputs:  # what the fused op computes itself (an activation, a product), where nothing else reads it
         if node.op == "call_function" and node.target in producers.ABSORBED and not node.users:
             q.graph.erase_node(node)
     rows = out["g"] if t is producer else t  # a 2-D producer is t itself: its readers now read g
