@@ -8,6 +8,9 @@ reductions over the tensor.
   tensor, its column sums become one op.
 - A rowwise operand a layer norm produces (with ``FUSE_LAYER_NORMS``): the norm and the cast
   of its output become one op (``fsg::layer_norm_fp8``), which returns the norm's statistics too.
+- A rowwise operand a layer norm's backward produces, plus the residual stream's gradient (with
+  ``FUSE_NORM_BACKWARDS``): the backward, the add, the cast and the column sums become one op
+  (``fsg::layer_norm_backward_fp8``). Both: ``passes/float8_norms.py``.
 - Any other rowwise operand a bias gradient sums (the residual stream's gradient): its cast
   and column sums become one op (``fsg::rowwise_fp8``).
 - With ``FUSE_COLUMN_AMAX`` (off: measured slower, below), either op also returns the
@@ -22,21 +25,19 @@ implementations; the tests compare fused and unfused steps).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 from torch import fx
 
-from fsg._src.kernels import float8_cast, layer_norm_fp8
+from fsg._src.kernels import float8_cast
+from fsg._src.passes import float8_norms as norms
 from fsg._src.passes import float8_producers as producers
+from fsg._src.passes.float8_graph import FLATTENS, column_sums, fused_outputs, read_column_sums, unflattened
 
 aten = torch.ops.aten
-_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-GELU, GELU_BACKWARD, CAT, SUM_DIM = producers.GELU, producers.GELU_BACKWARD, producers.CAT, aten.sum.dim_IntList
+GELU, GELU_BACKWARD, CAT = producers.GELU, producers.GELU_BACKWARD, producers.CAT
 ROWWISE_FP8 = torch.ops.fsg.rowwise_fp8.default
-LAYER_NORM, LAYER_NORM_FP8 = aten.native_layer_norm.default, torch.ops.fsg.layer_norm_fp8.default
-ADD, ADD_LAYER_NORM_FP8 = aten.add.Tensor, torch.ops.fsg.add_layer_norm_fp8.default
 # what each op returns, by name (g: the producer's output; colamax: [0] unless asked)
 OUTPUTS = {
     producers.GELU_BACKWARD_FP8: ("g", "q", "inv", "colsum", "colamax"),
@@ -45,8 +46,6 @@ OUTPUTS = {
     producers.GATED_FP8: ("g", "q", "inv", "colsum", "colamax"),
     producers.GATED_BACKWARD_FP8: ("g", "q", "inv", "colsum", "colamax"),
     ROWWISE_FP8: ("q", "inv", "colsum", "colamax"),
-    LAYER_NORM_FP8: ("y", "mean", "rstd", "q", "inv"),
-    ADD_LAYER_NORM_FP8: ("s", "y", "mean", "rstd", "q", "inv"),
 }
 # a rowwise operand's producer (each op in FUSED_PRODUCERS), its cast and column sums in one kernel
 FUSE_PRODUCERS = True
@@ -58,6 +57,10 @@ FUSED_PRODUCERS = producers.PRODUCERS
 # 500-step run within bf16's loss
 FUSE_LAYER_NORMS = True
 FUSE_RESIDUAL_ADDS = True
+# a rowwise operand a layer norm's backward writes (plus the residual stream's gradient): the
+# backward, the add, the cast and the column sums in one kernel instead of Inductor's backward
+# then ``fsg::rowwise_fp8``'s second read (GPT's proj and fc2 output gradients)
+FUSE_NORM_BACKWARDS = True
 # any other rowwise operand with a bias gradient: its cast and column sums (H200, RESULTS.md: 75.43
 # against 76.04 ms at GPT-2 355M, 202.04 against 204.67 ms at 1.3B with FP8 grad-weights)
 FUSE_COLUMN_SUMS = True
@@ -72,7 +75,7 @@ def rows_base(t: fx.Node) -> fx.Node:
     """The tensor whose rows ``t``'s are: up through the flattening views that keep the row
     width, as far as the tensor viewed is contiguous (so row ``i`` of each is the same
     memory). A fused op's column maxima, keyed by this tensor, serve every such view."""
-    while t.op == "call_function" and t.target in _FLATTENS and isinstance(src := t.args[0], fx.Node):
+    while t.op == "call_function" and t.target in FLATTENS and isinstance(src := t.args[0], fx.Node):
         val, src_val = t.meta["val"], src.meta["val"]
         if src_val.dim() < 1 or src_val.shape[-1] != val.shape[-1] or not src_val.is_contiguous():
             break
@@ -86,7 +89,9 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     if dtype != float8_cast.E4M3:
         return
     if FUSE_LAYER_NORMS:
-        fused_layer_norm(q, t, dtype)
+        norms.fused_layer_norm(q, t, dtype, FUSE_RESIDUAL_ADDS)
+    if FUSE_NORM_BACKWARDS and (t, False, dtype) not in q.casts:
+        norms.fused_norm_backward(q, t, dtype)
     if FUSE_PRODUCERS and (t, False, dtype) not in q.casts:
         fused_producer(q, t, dtype)
     if (t, False, dtype) not in q.casts and FUSE_COLUMN_SUMS:
@@ -124,41 +129,16 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         q.column_amax[out["g"]] = out["colamax"]
 
 
-def fused_layer_norm(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
-    """If ``t`` (its rows flattened to 2-D) is a layer norm's output, normalized over its last
-    dim in half precision: the norm becomes ``fsg::layer_norm_fp8``, whose FP8 copy and inverse
-    scales are ``t``'s cast and whose ``y``, mean and rstd the norm's readers (the norm's
-    backward among them) read instead."""
-    y = layer_norm_match(t)
-    if y is None:
-        return
-    norm = y.args[0]
-    x, _, weight, bias, eps = norm.args
-    add = residual_add(x, norm) if FUSE_RESIDUAL_ADDS else None
-    with q.graph.inserting_before(norm):
-        if add is None:
-            out = outputs(q, q.call(LAYER_NORM_FP8, (x, weight, bias, eps)))
-        else:
-            out = outputs(q, q.call(ADD_LAYER_NORM_FP8, (*add.args, weight, bias, eps)))
-            add.replace_all_uses_with(out["s"])
-            q.graph.erase_node(add)
-    for item in list(norm.users):  # getitem 0, 1, 2: y, mean, rstd
-        item.replace_all_uses_with(out[("y", "mean", "rstd")[item.args[1]]])
-        q.graph.erase_node(item)
-    q.graph.erase_node(norm)
-    rows = out["y"] if t is y else t  # a 2-D norm's output is t itself: its readers now read y
-    for key in {(t, False, dtype), (rows, False, dtype)}:
-        q.casts[key], q.scales[key] = out["q"], out["inv"]
-
-
 def fusable(t: fx.Node, dtype: torch.dtype) -> str | None:
     """What ``fuse`` would compute ``t``'s row-major rowwise cast in (``"layer norm"``, a
     producer's op name, ``"column sums"``), or ``None`` for the generic cast: the graph is not
     changed (``passes/float8_cost.py`` prices a fused cast by the bytes it adds)."""
     if dtype != float8_cast.E4M3:
         return None
-    if FUSE_LAYER_NORMS and layer_norm_match(t) is not None:
+    if FUSE_LAYER_NORMS and norms.layer_norm_match(t) is not None:
         return "layer norm"
+    if FUSE_NORM_BACKWARDS and norms.norm_backward_match(t) is not None:
+        return "layer norm backward"
     if FUSE_PRODUCERS and (match := producer_match(t)) is not None:
         return str(match[0].target)
     val = t.meta["val"]
@@ -167,16 +147,10 @@ def fusable(t: fx.Node, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _unflattened(t: fx.Node) -> fx.Node:
-    while t.op == "call_function" and t.target in _FLATTENS:
-        t = t.args[0]
-    return t
-
-
 def producer_match(t: fx.Node) -> tuple[fx.Node, Any, tuple] | None:
     """``t``'s producer (through flattening views), its fused op and the op's arguments, where
     ``fused_producer`` applies."""
-    producer = _unflattened(t)
+    producer = unflattened(t)
     if producer.op != "call_function" or producer.target not in FUSED_PRODUCERS:
         return None
     g_val, t_val = producer.meta["val"], t.meta["val"]
@@ -186,46 +160,6 @@ def producer_match(t: fx.Node) -> tuple[fx.Node, Any, tuple] | None:
         return None
     match = producers.fused(producer)
     return None if match is None else (producer, *match)
-
-
-def layer_norm_match(t: fx.Node) -> fx.Node | None:
-    """The norm's ``getitem(native_layer_norm(...), 0)`` ``t`` is a flattening view of, where
-    ``fused_layer_norm`` applies (normalized over the last dim, in half precision)."""
-    y = _unflattened(t)
-    if not (y.op == "call_function" and y.target is operator.getitem and y.args[1] == 0):
-        return None
-    norm = y.args[0]
-    if not (isinstance(norm, fx.Node) and norm.op == "call_function" and norm.target is LAYER_NORM):
-        return None
-    if norm.kwargs or len(norm.args) != 5:
-        return None
-    x, shape, weight, bias, _ = norm.args
-    x_val, t_val = x.meta["val"], t.meta["val"]
-    N = x_val.shape[-1] if x_val.dim() else None
-    if list(shape) != [N] or x_val.dtype not in layer_norm_fp8.DTYPES or not x_val.is_contiguous():
-        return None
-    if t_val.dim() != 2 or t_val.shape[1] != N or not all(isinstance(u.args[1], int) for u in norm.users):
-        return None
-    if any(v is not None and (not isinstance(v, fx.Node) or tuple(v.meta["val"].shape) != (N,)) for v in (weight, bias)):
-        return None
-    return y
-
-
-def residual_add(x: fx.Node, norm: fx.Node) -> fx.Node | None:
-    """``x`` if it is ``a + b`` of two tensors of its shape and dtype (a residual stream's add)
-    that nothing reads before ``norm`` does: the fused norm computes and writes the sum."""
-    if not (x.op == "call_function" and x.target is ADD and len(x.args) == 2 and not x.kwargs):
-        return None
-    val = x.meta["val"]
-    for a in x.args:
-        if not isinstance(a, fx.Node) or a.meta["val"].shape != val.shape or a.meta["val"].dtype != val.dtype:
-            return None
-    node = x.next
-    while node is not norm:  # a reader between the add and the norm would run before the sum exists
-        if node in x.users or node.op == "output":
-            return None
-        node = node.next
-    return x
 
 
 def fused_column_sums(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
@@ -246,25 +180,4 @@ def fused_column_sums(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
 
 def outputs(q: Any, fused: fx.Node) -> dict[str, fx.Node]:
     """A fused op's outputs by name (``OUTPUTS``)."""
-    return {name: q.item(fused, i) for i, name in enumerate(OUTPUTS[fused.target])}
-
-
-def column_sums(t: fx.Node) -> list[fx.Node]:
-    """The users of 2-D ``t`` that sum its columns (``sum(t, [0])``: a bias gradient)."""
-
-    def sums_columns(user: fx.Node) -> bool:
-        dims = user.args[1] if len(user.args) > 1 else None
-        return user.target is SUM_DIM and list(dims or ()) in ([0], [-2]) and user.kwargs.get("dtype") is None
-
-    return [user for user in t.users if sums_columns(user)]
-
-
-def read_column_sums(q: Any, t: fx.Node, colsum: fx.Node) -> None:
-    """Each ``sum(t, [0])`` becomes the fused op's float32 ``colsum`` in its own dtype."""
-    for user in column_sums(t):
-        with q.graph.inserting_before(user):
-            out = q.call(aten._to_copy.default, (colsum,), {"dtype": user.meta["val"].dtype})
-            if user.meta["val"].dim() == 2:  # keepdim
-                out = q.call(aten.view.default, (out, list(user.meta["val"].shape)))
-        user.replace_all_uses_with(out)
-        q.graph.erase_node(user)
+    return fused_outputs(q, fused, OUTPUTS)

@@ -34,10 +34,10 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src.kernels import linear_gelu  # noqa: F401 - registers the ops
 from fsg._src.kernels._common import _flag, fused_ops_enabled
-from fsg._src.passes import float8_fuse
+from fsg._src.passes import float8_fuse, float8_graph
 
 aten = torch.ops.aten
-_FLATTENS = float8_fuse._FLATTENS
+_FLATTENS = float8_graph.FLATTENS
 LINEAR_GELU, MM_GELU_BACKWARD = torch.ops.fsg.linear_gelu.default, torch.ops.fsg.mm_gelu_backward.default
 _DTYPES = (torch.bfloat16, torch.float16)
 # On by default where it applies; benchmarks/gpt.py's fsg-noepilogue turns it off for the A/B.
