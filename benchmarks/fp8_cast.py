@@ -40,7 +40,7 @@ M = 16384
 # everywhere, by 1.5-10x
 SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
 WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths
-NORM_SWEEP = ((1, 2, 4, 8), (256, 512, 1024, 2048), (4, 8, 16), (1,))  # the norm backward's (its own grid)
+NORM_SWEEP = ((1, 2, 4), (512, 1024, 2048), (4, 8), (1,))  # the norm backward's (its own grid)
 
 
 def _ms(fn) -> float:

@@ -58,8 +58,8 @@ def fused(producer: fx.Node) -> tuple[object, tuple] | None:
         if len(producer.args) != 2 or not _rows_like(producer, *producer.args):
             return None
         dy, h = producer.args
-        factors = _sole_product(dy)
-        return GATED_BACKWARD_FP8, (*(factors or (dy, None))[:1], h, (factors or (dy, None))[1], "silu")
+        dy, y = _sole_product(dy) or (dy, None)
+        return GATED_BACKWARD_FP8, (dy, h, y, "silu")
     args = cat_args(producer)
     return None if args is None else (CAT_FP8, args)
 
