@@ -87,10 +87,10 @@ Implementations (--impl):
             matmul reads normalized and cast by Inductor, not in fsg's kernel (fsg::layer_norm_fp8,
             fsg::add_layer_norm_fp8 with the residual add: the default since 2026-12-06; the
             older -ln suffix names the default; e.g. fsg-fp8-row-fastgi-noln)
-  any fsg-fp8-row implementation + -nolnb   with FUSE_NORM_BACKWARDS off: the residual stream's
-            gradient (proj's and fc2's output gradient) computed by Inductor's layer-norm backward,
-            then cast by fsg::rowwise_fp8, not in fsg::layer_norm_backward_fp8 (the default since
-            2026-12-06; e.g. fsg-fp8-row-fastgi-nolnb; with -noln: fsg-fp8-row-fastgi-noln-nolnb)
+  any fsg-fp8-row implementation + -lnb / -nolnb   with FUSE_NORM_BACKWARDS on / off: the
+            residual stream's gradient (proj's and fc2's output gradient) computed, cast and
+            summed in fsg::layer_norm_backward_fp8, or by Inductor's layer-norm backward then
+            fsg::rowwise_fp8 (off by default until measured; e.g. fsg-fp8-row-fastgi-lnb)
   any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
             kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
             attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
@@ -220,8 +220,9 @@ def run_torch(impl: str, args) -> dict:
         impl = impl.removesuffix("-bf16proj")
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
         impl = impl.removesuffix("-s3")
-        float8_fuse.FUSE_NORM_BACKWARDS = not impl.endswith("-nolnb")
-        impl = impl.removesuffix("-nolnb")
+        if impl.endswith(("-lnb", "-nolnb")):  # else the default
+            float8_fuse.FUSE_NORM_BACKWARDS = impl.endswith("-lnb")
+        impl = impl.removesuffix("-nolnb").removesuffix("-lnb")
         float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")
         impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default since 2026-12-06
         pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
