@@ -5,11 +5,14 @@ the unfused one (on CPU the op runs the unfused graph's aten ops: bit for bit)."
 
 import operator
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fsg
 from fsg._src.passes import float8_fuse, float8_norms
 from tests.test_float8 import (
     GPT_CFG,
@@ -100,3 +103,31 @@ def test_the_match_takes_the_add_in_either_order_and_keeps_dw_readers_after_the_
     backward, add, residual = match
     assert backward.target is aten.native_layer_norm_backward.default and add.target is aten.add.Tensor
     assert residual in add.args and operator.getitem not in (residual.target,)
+
+
+@pytest.mark.inductor
+def test_the_fused_op_under_inductor_tracks_the_unfused_step(monkeypatch):
+    """Under Inductor the op is an opaque node (its fallback lowering registered up front,
+    ``_torch_private.inductor_compile``; its list-of-bools argument included) that runs its
+    reference on CPU, while the unfused step's backward is Inductor's own code: the losses
+    agree to Inductor's rounding."""
+    losses = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", fuse)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), _NormThenLinear(32, (2, 16), True, True, False, False, "add"))
+        policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+        step = fsg.compile_step(
+            lambda p, b: (fsg.apply(model, p, b["x"]).float() ** 2).mean(),
+            optimizer=fsg.optim.sgd(0.1),
+            precision=policy,
+            backend="inductor",
+        )
+        state = step.init(fsg.params(model))
+        x = {"x": torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))}
+        assert step.lower(state, x).op_counts().get("fsg.layer_norm_backward_fp8", 0) == (1 if fuse else 0)
+        losses[fuse] = []
+        for _ in range(3):
+            state, m = step(state, x)
+            losses[fuse].append(float(m["loss"]))
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False])) < 1e-2, losses
