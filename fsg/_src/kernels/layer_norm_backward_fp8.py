@@ -165,8 +165,9 @@ def layer_norm_backward_fp8(
     launch(*rows, w, *stats, r_MN, dx_MN, q_MN, inv, part, sums, t)
     totals = iter(column_sum(part).split(N) if part is not None else ())
     dw, db, colsum = (next(totals) if asked else None for asked in sums)
-    dw = _or_empty(None if dw is None else dw.to(weight.dtype), x)
-    db = _or_empty(None if db is None else db.to(bias.dtype), x)
+    # copies: a custom op's outputs may not share storage (dw, db and colsum are one buffer's slices)
+    dw = _or_empty(None if dw is None else dw.to(weight.dtype, copy=True), x)
+    db = _or_empty(None if db is None else db.to(bias.dtype, copy=True), x)
     return dx_MN.reshape(x.shape), q_MN, inv, torch.empty(0, **f32) if colsum is None else colsum, dw, db
 
 
