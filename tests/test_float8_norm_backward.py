@@ -100,7 +100,7 @@ def test_the_match_takes_the_add_in_either_order_and_keeps_dw_readers_after_the_
     if early and late:
         assert match is None
         return
-    backward, add, residual = match
+    backward, add, residual, _ = match
     assert backward.target is aten.native_layer_norm_backward.default and add.target is aten.add.Tensor
     assert residual in add.args and operator.getitem not in (residual.target,)
 

@@ -25,6 +25,7 @@ from torch import fx
 
 from fsg._src.kernels import layer_norm_backward_fp8, layer_norm_fp8
 from fsg._src.passes.float8_graph import column_sums, fused_outputs, read_column_sums, unflattened
+from fsg._src.passes.ordering import NodeOrder
 
 aten = torch.ops.aten
 LAYER_NORM, LAYER_NORM_BACKWARD = aten.native_layer_norm.default, aten.native_layer_norm_backward.default
@@ -119,11 +120,11 @@ def fused_norm_backward(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     match = norm_backward_match(t)
     if match is None:
         return
-    backward, add, residual = match
+    backward, add, residual, anchor = match
     dy, x, _, mean, rstd, weight, bias, mask = backward.args
     s = unflattened(t)
     sums = bool(column_sums(t))
-    with q.graph.inserting_before(backward if add is None or _before(residual, backward) else add):
+    with q.graph.inserting_before(anchor):
         fused = q.call(LAYER_NORM_BACKWARD_FP8, (dy, x, mean, rstd, weight, bias, list(mask), residual, sums))
         out = fused_outputs(q, fused, OUTPUTS)
     if add is not None:
@@ -139,23 +140,13 @@ def fused_norm_backward(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         read_column_sums(q, rows, out["colsum"])
 
 
-def _before(a: fx.Node, b: fx.Node) -> bool:
-    """Whether ``a`` comes before ``b`` in their graph (``a`` defined where ``b`` runs)."""
-    node = a.next
-    while node.op != "root":
-        if node is b:
-            return True
-        node = node.next
-    return False
-
-
-def norm_backward_match(t: fx.Node) -> tuple[fx.Node, fx.Node | None, fx.Node | None] | None:
-    """``(backward, add, residual)`` where ``t`` is a flattening view of ``getitem(backward, 0)``
+def norm_backward_match(t: fx.Node) -> tuple[fx.Node, fx.Node | None, fx.Node | None, fx.Node] | None:
+    """``(backward, add, residual, anchor)`` where ``t`` is a flattening view of ``getitem(backward, 0)``
     (``add``, ``residual`` ``None``) or of ``add = residual + getitem(backward, 0)`` (either
     order) and ``fused_norm_backward`` applies: a ``native_layer_norm_backward`` over the last
     dim, in half precision, whose ``dx`` the add alone reads, and whose other outputs' readers
-    all run after the point the fused op takes (the backward's, or the add's where the residual
-    is computed after the backward)."""
+    all run after the point the fused op takes, ``anchor`` (the backward, or the add where the
+    residual is computed after the backward)."""
     s = unflattened(t)
     add, residual, item = None, None, s
     if s.op == "call_function" and s.target is ADD and len(s.args) == 2 and not s.kwargs:
@@ -183,10 +174,11 @@ def norm_backward_match(t: fx.Node) -> tuple[fx.Node, fx.Node | None, fx.Node | 
         r_val = residual.meta["val"]
         if r_val.shape != x_val.shape or r_val.dtype != x_val.dtype:
             return None
-        later = [user for item in backward.users if item.args[1] for user in item.users]  # dw's, db's readers
-        if not _before(residual, backward) and not all(_before(add, user) for user in later):
-            return None
-    return backward, add, residual
+        order = NodeOrder(backward.graph)
+        if not order.before(residual, backward):  # the fused op takes the add's place
+            later = [user for item in backward.users if item.args[1] for user in item.users]  # dw's, db's readers
+            return (backward, add, residual, add) if all(order.before(add, user) for user in later) else None
+    return backward, add, residual, backward
 
 
 def _is_dx(node: Any) -> bool:
