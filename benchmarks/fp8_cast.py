@@ -10,10 +10,14 @@ Each case is one tensor of a GPT-2 step at batch 16 x 1024 (M = 16,384 token row
 backward as transposed heads (``cat_rowwise_fp8``), a residual-stream gradient
 (``rowwise_fp8``), a layer norm's output (``layer_norm_fp8``: the norm and its cast), and a
 layer norm's backward with the residual stream's gradient (``layer_norm_backward_fp8``: the
-backward, the add, the cast, the column sums). "Inductor" is ``torch.compile`` of the reference
-(the ops the float8 pass emits when nothing is fused; for the norm's backward, Inductor's
-backward and add, then ``fsg::rowwise_fp8``: the step without the fusion).
-``--only backward --sweep`` times the norm backward's tilings alone. GB/s counts the bytes each must move (inputs read once, outputs
+backward, the add, the cast, the column sums), and a weight's two casts from its float32 master
+(``weight_fp8``: ``W`` and ``W.T``, each a scale per row). "Inductor" is ``torch.compile`` of the
+reference (the ops the float8 pass emits when nothing is fused; for the norm's backward,
+Inductor's backward and add, then ``fsg::rowwise_fp8``: the step without the fusion; for a
+weight, the bf16 copy then Inductor's two casts of it, each compiled alone, as the step runs
+them, one in the forward and one in the backward).
+``--only backward --sweep`` times the norm backward's tilings alone; ``--only weight --sweep``
+the weight kernels' tiles. GB/s counts the bytes each must move (inputs read once, outputs
 written once), against a device-to-device copy of 1 GiB in the same run. Times are medians of
 ``triton.testing.do_bench`` (CUDA events).
 """
@@ -31,6 +35,7 @@ from triton.testing import do_bench
 from fsg._src.kernels import float8_cast as K
 from fsg._src.kernels import layer_norm_backward_fp8 as LNB
 from fsg._src.kernels import layer_norm_fp8 as LN
+from fsg._src.kernels import weight_fp8 as WF
 from fsg._src.kernels._common import RowTiling
 from fsg._src.kernels.column_sum import column_sum
 
@@ -41,6 +46,7 @@ M = 16384
 SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
 WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths
 NORM_SWEEP = ((1, 2, 4), (512, 1024, 2048), (4, 8), (1,))  # the norm backward's (its own grid)
+WEIGHT_SWEEP = ((32, 64, 128), (32, 64, 128), (4, 8))  # the weight kernels' tile rows, columns, warps
 
 
 def _ms(fn) -> float:
@@ -82,6 +88,30 @@ def _cases(widths: dict[str, int]):
         yield (f"{model} layer norm backward + r [{M}, {C}]: dx, its FP8 copy, column sums, dw, db",
                LNB.layer_norm_backward_fp8, _norm_backward_today, (dy, x, mean, rstd, w, b, [True, True, True], r, True),
                M * C * (2 + 2 + 2 + 2 + f8) + 3 * M * f32, "norm_backward")  # fmt: skip
+        for rows, cols in ((3 * C, C), (4 * C, C), (C, 4 * C)):  # qkv's, fc's, fc_proj's weights
+            w = torch.randn(rows, cols, generator=gen, device="cuda") * 0.02
+            yield (f"{model} weight [{rows}, {cols}] float32: both FP8 casts", WF.weight_fp8, _weight_today,
+                   (w, torch.bfloat16), rows * cols * (f32 + 2 * f8), "weight")  # fmt: skip
+
+
+def _cast_rows(g):
+    return K.rowwise_fp8_reference(g)[:2]
+
+
+_CASTS = {}
+
+
+def _weight_today(w, round_to):
+    """What the step runs without ``FUSE_WEIGHTS``: the compute-dtype copy (``cast_flat``'s
+    write), then Inductor's cast of it in the forward and of its transpose in the backward
+    (compiled apart: they run far apart in the step)."""
+    if not _CASTS:
+        _CASTS["rows"], _CASTS["cols"] = torch.compile(_cast_rows), torch.compile(lambda g: _cast_rows(g.t()))
+    w16 = w.to(round_to)
+    return (*_CASTS["rows"](w16), *_CASTS["cols"](w16))
+
+
+_weight_today.compiled = True  # main() times it as it is
 
 
 def _norm_backward_today(dy, x, mean, rstd, w, b, mask, r, column_sums):
@@ -142,6 +172,31 @@ def _launcher(kind: str, args, t: RowTiling):
     return run
 
 
+def _weight_sweep(name, w, moved, t_ind, copy_gbs) -> None:
+    """The weight kernels' tiles and warps (``WEIGHT_SWEEP``), amax zeroing and both launches timed."""
+    N, K_ = w.shape
+    outs = (torch.empty((N, K_), dtype=K.E4M3, device="cuda"), torch.empty((N, 1), device="cuda"),
+            torch.empty((K_, N), dtype=K.E4M3, device="cuda"), torch.empty((K_, 1), device="cuda"))  # fmt: skip
+    amax = torch.empty(N + K_, device="cuda")
+    best, warps_default = None, WF.NUM_WARPS
+    for bn, bk, warps in itertools.product(*WEIGHT_SWEEP):
+        WF.NUM_WARPS = warps
+
+        def run():
+            amax.zero_()
+            WF.launch(w, torch.bfloat16, amax, *outs, block=(bn, bk))
+
+        try:
+            ms = _ms(run)
+        finally:
+            WF.NUM_WARPS = warps_default
+        gbs = moved / ms / 1e6
+        print(f"| {name} | block {bn} x {bk}, warps={warps} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | "
+              f"{t_ind / ms:.2f}x |", flush=True)  # fmt: skip
+        best = min(best or (ms, ""), (ms, f"block {bn} x {bk}, warps={warps}"))
+    print(f"| {name} | **best of the sweep**: {best[1]} | {best[0]:.3f} |  |  | {t_ind / best[0]:.2f}x |", flush=True)
+
+
 def _copy_gbs() -> float:
     src = torch.empty(1 << 28, device="cuda")  # 1 GiB of float32
     dst = torch.empty_like(src)
@@ -165,13 +220,16 @@ def main() -> None:
     ):
         if args.only not in name:
             continue
-        compiled = torch.compile(ref)
+        compiled = ref if getattr(ref, "compiled", False) else torch.compile(ref)
         t_ind = _ms(lambda: compiled(*inputs))
         t_op = _ms(lambda: op(*inputs))
         for label, t in (("Inductor (unfused ops, compiled)", t_ind), ("fsg fused op (default tiling)", t_op)):
             gbs = moved / t / 1e6
             print(f"| {name} | {label} | {t:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / t:.2f}x |", flush=True)
         if not args.sweep:
+            continue
+        if kind == "weight":
+            _weight_sweep(name, inputs[0], moved, t_ind, copy_gbs)
             continue
         xs0 = inputs[0][0] if kind == "cat" else inputs[0]
         C = xs0.shape[-1]

@@ -91,6 +91,10 @@ Implementations (--impl):
             residual stream's gradient (proj's and fc2's output gradient) computed, cast and
             summed in fsg::layer_norm_backward_fp8, or by Inductor's layer-norm backward then
             fsg::rowwise_fp8 (off by default until measured; e.g. fsg-fp8-row-fastgi-lnb)
+  any fsg-fp8-row implementation + -wfp8 / -nowfp8   with FUSE_WEIGHTS on / off: each weight's
+            two FP8 casts (W and W.T) from its float32 master in fsg::weight_fp8, or Inductor's
+            casts of its bf16 copy (off by default until measured; after -lnb: e.g.
+            fsg-fp8-row-fastgi-lnb-wfp8)
   any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
             kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
             attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
@@ -220,6 +224,9 @@ def run_torch(impl: str, args) -> dict:
         impl = impl.removesuffix("-bf16proj")
         float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
         impl = impl.removesuffix("-s3")
+        if impl.endswith(("-wfp8", "-nowfp8")):  # else the default
+            float8_fuse.FUSE_WEIGHTS = impl.endswith("-wfp8")
+        impl = impl.removesuffix("-nowfp8").removesuffix("-wfp8")
         if impl.endswith(("-lnb", "-nolnb")):  # else the default
             float8_fuse.FUSE_NORM_BACKWARDS = impl.endswith("-lnb")
         impl = impl.removesuffix("-nolnb").removesuffix("-lnb")

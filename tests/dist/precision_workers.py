@@ -214,3 +214,28 @@ def float8_auto_agrees_across_ranks(axes: dict, policy: str) -> tuple[int, list[
         return step.lower(state, gpt_batches(1)[0]).op_counts().get("aten._scaled_mm", 0), losses
     finally:
         float8_cost.timer_for = before
+
+
+def weight_fusion_keeps_the_step(axes: dict, preset: str) -> tuple[int, bool]:
+    """The tiny GPT's rowwise FP8 step on the mesh with ``FUSE_WEIGHTS`` on against off: how
+    many ``fsg::weight_fp8`` the rank's graph holds, and whether three steps left every local
+    parameter bit for bit as the unfused step did (the op runs the unfused casts on CPU)."""
+    from fsg._src.passes import float8_fuse
+
+    runs = []
+    for fuse in (False, True):
+        previous, float8_fuse.FUSE_WEIGHTS = float8_fuse.FUSE_WEIGHTS, fuse
+        try:
+            model = tiny_gpt()
+            step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
+                                    param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"),
+                                    precision=ROWWISE, backend="eager")  # fmt: skip
+            state = step.init(fsg.params(model))
+            count = step.lower(state, gpt_batches(1)[0]).as_text().count("fsg.weight_fp8.default(")
+            for batch in gpt_batches():
+                state, _ = step(state, batch)
+        finally:
+            float8_fuse.FUSE_WEIGHTS = previous
+        runs.append((count, [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]))
+    (_, plain), (count, fused) = runs
+    return count, all(torch.equal(a, b) for a, b in zip(plain, fused))

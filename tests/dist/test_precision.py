@@ -81,6 +81,16 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
         assert preset != "fsdp" or counts[gathers] == 1, counts  # (tensor parallel gathers activations)
 
 
+@pytest.mark.parametrize("preset", ["dp", "fsdp"])
+def test_weight_fusion_on_a_mesh_keeps_the_step(ranks, preset):
+    """``FUSE_WEIGHTS`` is local to a rank's graph: under data parallel each block weight's two
+    FP8 casts come from one op reading the replicated float32 master; under FSDP from the
+    gathered bf16 weight (the wait of its all-gather: nothing to round). Every step equals the
+    unfused one bit for bit."""
+    for count, same in ranks(2).run(precision_workers.weight_fusion_keeps_the_step, {"dp": 2}, preset):
+        assert same and count == 4, count  # qkv, proj, fc, fc_proj of its one block
+
+
 @pytest.mark.parametrize(
     ("case", "backend", "axes", "fsdp_axis"),
     [

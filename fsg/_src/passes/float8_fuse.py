@@ -13,6 +13,9 @@ reductions over the tensor.
   (``fsg::layer_norm_backward_fp8``). Both: ``passes/float8_norms.py``.
 - Any other rowwise operand a bias gradient sums (the residual stream's gradient): its cast
   and column sums become one op (``fsg::rowwise_fp8``).
+- A weight both the forward and the grad-input read in FP8 (with ``FUSE_WEIGHTS``): its two
+  casts, of ``W`` and of ``W.T``, become one op reading its float32 master
+  (``fsg::weight_fp8``, ``passes/float8_weights.py``).
 - With ``FUSE_COLUMN_AMAX`` (off: measured slower, below), either op also returns the
   tensor's column maxima of ``|t|`` where a grad-weight matmul reads ``t`` transposed in FP8
   (``Float8(grad_weight="fp8")``): the transposed cast's scales, so that cast needs no column
@@ -33,6 +36,7 @@ from torch import fx
 from fsg._src.kernels import float8_cast
 from fsg._src.passes import float8_norms as norms
 from fsg._src.passes import float8_producers as producers
+from fsg._src.passes import float8_weights as weights
 from fsg._src.passes.float8_graph import FLATTENS, column_sums, fused_outputs, read_column_sums, unflattened
 
 aten = torch.ops.aten
@@ -71,6 +75,11 @@ FUSE_COLUMN_SUMS = True
 # 79.83 ms at GPT-2 355M, 200.85 against 199.67 ms at 1.3B; the kernel's maxima, folded by
 # atomic max or stored as a partial row per program, cost it more than Inductor's reductions)
 FUSE_COLUMN_AMAX = False
+# a weight both the forward and the grad-input read in FP8: its two casts (a scale per row of W
+# and per row of W.T) in one op from its float32 master (``passes/float8_weights.py``), instead of
+# the compute-dtype copy and Inductor's two reductions and casts of it. Off until it is run and
+# measured on a GPU (tested on CPU, its kernels under Triton's interpreter)
+FUSE_WEIGHTS = False
 
 
 def rows_base(t: fx.Node) -> fx.Node:
@@ -98,6 +107,8 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
         fused_producer(q, t, dtype)
     if (t, False, dtype) not in q.casts and FUSE_COLUMN_SUMS:
         fused_column_sums(q, t, dtype)
+    if (t, False, dtype) not in q.casts and FUSE_WEIGHTS:
+        weights.fused_weight(q, t, dtype)
 
 
 def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
