@@ -492,6 +492,32 @@ def _fused_and_unfused(
     return runs
 
 
+def _inductor_losses(monkeypatch, flag: str, model: Callable[[], nn.Module], op: str, steps: int = 3):
+    """Three rowwise SGD steps of ``model()`` (seeded) under Inductor on CPU with ``float8_fuse``'s
+    ``flag`` on, then off: ``{fuse: losses}``; the lowered graph holds ``fsg::<op>`` once with
+    the flag, never without."""
+    losses = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, flag, fuse)
+        torch.manual_seed(0)
+        net = model()
+        policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
+        step = fsg.compile_step(
+            lambda p, b, net=net: (fsg.apply(net, p, b["x"]).float() ** 2).mean(),
+            optimizer=fsg.optim.sgd(0.1),
+            precision=policy,
+            backend="inductor",
+        )
+        state = step.init(fsg.params(net))
+        x = {"x": torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))}
+        assert step.lower(state, x).as_text().count(f"fsg.{op}.default(") == (1 if fuse else 0)
+        losses[fuse] = []
+        for _ in range(steps):
+            state, m = step(state, x)
+            losses[fuse].append(float(m["loss"]))
+    return losses
+
+
 class _GeluMLP(nn.Module):
     def __init__(self, width, hidden, approximate, bias, residual):
         super().__init__()

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import fsg
 from fsg._src.passes import float8_fuse, float8_norms
 from tests.test_float8 import (
     GPT_CFG,
@@ -20,6 +19,7 @@ from tests.test_float8 import (
     _fused_and_unfused,
     _gpt_batches,
     _gpt_step,
+    _inductor_losses,
     _losses_and_state,
     _NormThenLinear,
     _states_equal,
@@ -111,23 +111,7 @@ def test_the_fused_op_under_inductor_tracks_the_unfused_step(monkeypatch):
     ``_torch_private.inductor_compile``; its list-of-bools argument included) that runs its
     reference on CPU, while the unfused step's backward is Inductor's own code: the losses
     agree to Inductor's rounding."""
-    losses = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", fuse)
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 32), _NormThenLinear(32, (2, 16), True, True, False, False, "add"))
-        policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
-        step = fsg.compile_step(
-            lambda p, b: (fsg.apply(model, p, b["x"]).float() ** 2).mean(),
-            optimizer=fsg.optim.sgd(0.1),
-            precision=policy,
-            backend="inductor",
-        )
-        state = step.init(fsg.params(model))
-        x = {"x": torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))}
-        assert step.lower(state, x).op_counts().get("fsg.layer_norm_backward_fp8", 0) == (1 if fuse else 0)
-        losses[fuse] = []
-        for _ in range(3):
-            state, m = step(state, x)
-            losses[fuse].append(float(m["loss"]))
+    block = lambda: _NormThenLinear(32, (2, 16), True, True, False, False, "add")  # noqa: E731
+    losses = _inductor_losses(monkeypatch, "FUSE_NORM_BACKWARDS", lambda: nn.Sequential(nn.Linear(32, 32), block()),
+                              "layer_norm_backward_fp8")  # fmt: skip
     assert max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False])) < 1e-2, losses

@@ -10,7 +10,15 @@ from torch import nn
 
 import fsg
 from fsg._src.passes import float8_fuse, float8_weights
-from tests.test_float8 import GPT_CFG, ROWWISE_POLICY, _gpt_batches, _gpt_step, _losses_and_state, _states_equal
+from tests.test_float8 import (
+    GPT_CFG,
+    ROWWISE_POLICY,
+    _gpt_batches,
+    _gpt_step,
+    _inductor_losses,
+    _losses_and_state,
+    _states_equal,
+)
 
 WEIGHT_FP8 = "fsg.weight_fp8.default("
 
@@ -126,23 +134,5 @@ def test_source_reads_the_master_through_a_plain_cast_only():
 def test_the_fused_op_under_inductor_tracks_the_unfused_step(monkeypatch):
     """Under Inductor the op is an opaque node running its reference on CPU, while the unfused
     step's casts are Inductor's own code: the losses agree to Inductor's rounding."""
-    losses = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", fuse)
-        torch.manual_seed(0)
-        model = _Stack((32, 64, 32), True, False)
-        policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
-        step = fsg.compile_step(
-            lambda p, b: (fsg.apply(model, p, b["x"]).float() ** 2).mean(),
-            optimizer=fsg.optim.sgd(0.1),
-            precision=policy,
-            backend="inductor",
-        )
-        state = step.init(fsg.params(model))
-        x = {"x": torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))}
-        assert step.lower(state, x).as_text().count(WEIGHT_FP8) == (1 if fuse else 0)
-        losses[fuse] = []
-        for _ in range(3):
-            state, m = step(state, x)
-            losses[fuse].append(float(m["loss"]))
+    losses = _inductor_losses(monkeypatch, "FUSE_WEIGHTS", lambda: _Stack((32, 64, 32), True, False), "weight_fp8")
     assert max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False])) < 1e-2, losses

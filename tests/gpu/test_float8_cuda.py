@@ -70,6 +70,26 @@ def _cuda(batches):
     return [{k: v.cuda() for k, v in b.items()} for b in batches]
 
 
+def fused_and_unfused_losses(monkeypatch, flag: str, op: str, count: int, steps: int = 6) -> dict[bool, list[float]]:
+    """The rowwise GPT step's losses under Inductor and graph replay with ``float8_fuse``'s
+    ``flag`` on, then off; the lowered graph holds ``fsg::<op>`` ``count`` times with it, never
+    without."""
+    from fsg._src.passes import float8_fuse
+
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
+    batches = _cuda(_gpt_batches(steps))
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(float8_fuse, flag, fuse)
+        step, state = _gpt(policy)
+        assert step.lower(state, batches[0]).as_text().count(f"fsg.{op}.default(") == (count if fuse else 0)
+        runs[fuse] = []
+        for b in batches:
+            state, m = step(state, b)
+            runs[fuse].append(float(m["loss"]))
+    return runs
+
+
 @pytest.mark.skipif(_fp8_gpu() or not torch.cuda.is_available(), reason="this GPU has FP8 tensor cores")
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused():
     step, state = _gpt(FP8, backend="aot_eager")

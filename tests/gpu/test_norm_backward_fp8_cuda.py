@@ -5,8 +5,7 @@ Inductor and graph replay against the step without it (``FUSE_NORM_BACKWARDS``).
 import pytest
 import torch
 
-import fsg
-from tests.gpu.test_float8_cuda import GPT_CFG, _cuda, _gpt, _gpt_batches, assert_fp8_cast, needs_fp8
+from tests.gpu.test_float8_cuda import GPT_CFG, assert_fp8_cast, fused_and_unfused_losses, needs_fp8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -55,18 +54,5 @@ def test_rowwise_gpt_step_with_fused_norm_backwards_equals_the_unfused_step(monk
     """Inductor + graph replay: the step whose residual-stream gradients come out of
     ``fsg::layer_norm_backward_fp8`` (cast and summed there) tracks the one where Inductor
     computes each norm's backward and ``fsg::rowwise_fp8`` casts the sum."""
-    from fsg._src.passes import float8_fuse
-
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
-    batches = _cuda(_gpt_batches(6))
-    runs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", fuse)
-        step, state = _gpt(policy)
-        text = step.lower(state, batches[0]).as_text()
-        assert text.count("fsg.layer_norm_backward_fp8.default(") == (2 * GPT_CFG.n_layer if fuse else 0)
-        runs[fuse] = []
-        for b in batches:
-            state, m = step(state, b)
-            runs[fuse].append(float(m["loss"]))
+    runs = fused_and_unfused_losses(monkeypatch, "FUSE_NORM_BACKWARDS", "layer_norm_backward_fp8", 2 * GPT_CFG.n_layer)
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs

@@ -1,12 +1,11 @@
 """``fsg::weight_fp8`` on CUDA (skipped without a GPU): a weight's two rowwise FP8 casts from its
 float32 master, bit for bit the unfused graph's casts of its bf16 copy, and a GPT step with the
-fusion under Inductor and graph replay bit for bit the step without it (``FUSE_WEIGHTS``)."""
+fusion under Inductor and graph replay against the step without it (``FUSE_WEIGHTS``)."""
 
 import pytest
 import torch
 
-import fsg
-from tests.gpu.test_float8_cuda import GPT_CFG, _cuda, _gpt, _gpt_batches, needs_fp8
+from tests.gpu.test_float8_cuda import GPT_CFG, fused_and_unfused_losses, needs_fp8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,18 +36,5 @@ def test_rowwise_gpt_step_with_fused_weight_casts_equals_the_unfused_step(monkey
     """Inductor + graph replay: the step whose block weights are cast by ``fsg::weight_fp8``
     from the float32 masters gives the unfused step's losses (the casts are the same bytes;
     Inductor's own code around them may round its sums differently)."""
-    from fsg._src.passes import float8_fuse
-
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
-    batches = _cuda(_gpt_batches(6))
-    runs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", fuse)
-        step, state = _gpt(policy)
-        text = step.lower(state, batches[0]).as_text()
-        assert text.count("fsg.weight_fp8.default(") == (4 * GPT_CFG.n_layer if fuse else 0)
-        runs[fuse] = []
-        for b in batches:
-            state, m = step(state, b)
-            runs[fuse].append(float(m["loss"]))
+    runs = fused_and_unfused_losses(monkeypatch, "FUSE_WEIGHTS", "weight_fp8", 4 * GPT_CFG.n_layer)
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs
