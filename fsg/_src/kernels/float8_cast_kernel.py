@@ -122,8 +122,21 @@ def _produce(
 
 
 @triton.jit
+def scale_of(amax, eps, fp8_max):
+    """``fp8_max / max(amax, eps)`` in float32, as the graph computes it (a reciprocal, then a
+    product): every FP8 cast kernel's scales."""
+    return (1.0 / tl.maximum(amax, eps)) * fp8_max
+
+
+@triton.jit
+def saturate(g, scale, fp8_max):
+    """``g * scale`` clamped to the FP8 range (``scale`` already broadcast to ``g``)."""
+    return tl.minimum(tl.maximum(g * scale, -fp8_max), fp8_max)
+
+
+@triton.jit
 def _store_fp8(q_ptr, g, scale, rows, row_ok, cols, C, N, col0, fp8_max):
-    q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+    q = saturate(g, scale[:, None], fp8_max)
     mask = row_ok[:, None] & (cols < C)[None, :]
     tl.store(q_ptr + rows[:, None] * N + col0 + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -160,7 +173,7 @@ def _rowwise_fp8_kernel(
         if PIECES > 2:
             g2 = _produce(x2_ptr, h_ptr, y_ptr, g_ptr, rows, row_ok, cols, C, s2, N, 2 * C, PRODUCER, WRITE_G)
             amax = tl.maximum(amax, tl.max(tl.abs(g2), axis=1))
-        scale = (1.0 / tl.maximum(amax, eps)) * fp8_max
+        scale = scale_of(amax, eps, fp8_max)
         if QUANT:
             tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
             _store_fp8(q_ptr, g0, scale, rows, row_ok, cols, C, N, 0, fp8_max)

@@ -29,6 +29,7 @@ import torch
 from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
 from fsg._src.kernels.column_sum import column_sum
 from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
+from fsg._src.kernels.float8_cast_kernel import saturate, scale_of
 
 DTYPES = (torch.bfloat16, torch.float16)  # the gradient dtypes the kernel serves (an FP8 matmul's operand)
 
@@ -68,9 +69,9 @@ def _layer_norm_backward_fp8_kernel(
             dx = (dx.to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dx.dtype)
         tl.store(dx_ptr + offs, dx, mask=mask)
         g = tl.where(mask, dx.to(tl.float32), 0.0)  # what dx's readers see: its rounded values
-        scale = (1.0 / tl.maximum(tl.max(tl.abs(g), axis=1), amax_eps)) * fp8_max
+        scale = scale_of(tl.max(tl.abs(g), axis=1), amax_eps, fp8_max)
         tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
-        q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+        q = saturate(g, scale[:, None], fp8_max)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         if DW:
             dw += tl.sum(dy * xhat, axis=0)

@@ -25,7 +25,7 @@ import torch
 
 from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
 from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
-from fsg._src.kernels.float8_cast_kernel import tiling
+from fsg._src.kernels.float8_cast_kernel import saturate, scale_of, tiling
 
 DTYPES = (torch.bfloat16, torch.float16)  # the output dtypes the pass fuses (an FP8 matmul's operand)
 
@@ -67,9 +67,9 @@ def _layer_norm_fp8_kernel(
         tl.store(mean_ptr + rows, mean, mask=row_ok)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
         g = tl.where(mask, y.to(tl.float32), 0.0)  # what y's readers see: its rounded values
-        scale = (1.0 / tl.maximum(tl.max(tl.abs(g), axis=1), amax_eps)) * fp8_max
+        scale = scale_of(tl.max(tl.abs(g), axis=1), amax_eps, fp8_max)
         tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
-        q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+        q = saturate(g, scale[:, None], fp8_max)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from fsg._src.kernels._common import tl, triton, use_triton
 from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
+from fsg._src.kernels.float8_cast_kernel import saturate, scale_of
 
 ROUNDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # what the master is rounded to first
 SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the weights the kernel reads
@@ -72,11 +73,11 @@ def _weight_cast_kernel(
     row_ok, col_ok = rows < N, cols < K
     mask = row_ok[:, None] & col_ok[None, :]
     g = _tile(w_ptr, rows, cols, mask, s0, s1, ROUND)
-    scale = (1.0 / tl.maximum(tl.load(amax_ptr + rows, mask=row_ok, other=0.0), eps)) * fp8_max
-    scale_t = (1.0 / tl.maximum(tl.load(amax_ptr + N + cols, mask=col_ok, other=0.0), eps)) * fp8_max
-    q = tl.minimum(tl.maximum(g * scale[:, None], -fp8_max), fp8_max)
+    scale = scale_of(tl.load(amax_ptr + rows, mask=row_ok, other=0.0), eps, fp8_max)
+    scale_t = scale_of(tl.load(amax_ptr + N + cols, mask=col_ok, other=0.0), eps, fp8_max)
+    q = saturate(g, scale[:, None], fp8_max)
     tl.store(q_ptr + rows[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-    qt = tl.trans(tl.minimum(tl.maximum(g * scale_t[None, :], -fp8_max), fp8_max))
+    qt = tl.trans(saturate(g, scale_t[None, :], fp8_max))
     tl.store(qt_ptr + cols[:, None] * N + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
     if pid_k == 0:
         tl.store(inv_ptr + rows, 1.0 / scale, mask=row_ok)
