@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import fsg
 from fsg._src.errors import ArgumentError
 from fsg._src.passes import float8 as float8_pass
-from fsg._src.passes import float8_cost
+from fsg._src.passes import float8_cost, float8_fuse
 from tests.test_float8 import _gpt_batches, _gpt_step, joint
 
 
@@ -156,6 +156,20 @@ def test_launches_count_for_unfused_casts_only(monkeypatch):
     monkeypatch.setattr(float8_cost, "timer_for", lambda device: TableTimer(1e-3, bandwidth=1e30, launch=0.0))
     gm, _ = _graph()
     assert _rewrite(gm, "auto") == "4 of 6 matmuls in FP8"
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_weights_fused_casts_are_priced_as_half_their_op(monkeypatch, flip):
+    """With ``FUSE_WEIGHTS`` each of a weight's two casts costs half of ``fsg::weight_fp8``: two
+    reads of the weight (bf16 here: a compute-dtype input) and both writes, ``(2 + 1) N D``
+    bytes, and one launch; without it the generic cast's ``(3 * 2 + 1) N D`` and two."""
+    gm, _ = _graph()
+    w1 = [n for n in gm.graph.nodes if n.op == "placeholder"][2]
+    timer = TableTimer(0.0, bandwidth=1e9, launch=1e-6)
+    for fuse, (nbytes, launches) in ((True, (3, 1)), (False, (7, 2))):
+        monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", fuse)
+        want = nbytes * N * D / 1e9 + launches * 1e-6
+        assert float8_cost.cast_cost(w1, flip, True, timer) == pytest.approx(want, rel=1e-12)
 
 
 # --- the real thing, measured on this machine -------------------------------------------------

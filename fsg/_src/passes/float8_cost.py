@@ -14,6 +14,9 @@ costs its bytes at the device's measured copy bandwidth plus a measured launch p
 - fused into the kernel that produces the tensor (``float8_fuse.fusable``: a layer norm, a GELU,
   its gradient, a concatenation, a bias gradient's column sums): the FP8 copy's write only,
   ``R * D + 4 * R`` bytes, no kernel of its own;
+- a weight whose casts ``float8_fuse.FUSE_WEIGHTS`` puts in one op (``fsg::weight_fp8``, both
+  layouts from what the weight is a cast of): half that op, ``(e_s + 1) R D`` bytes (``e_s``
+  the element size of what it reads, the float32 master's 4) and one kernel;
 - any other: two reads of the tensor (its maxima, then the cast) and the copy's write,
   ``(2 e + e + 1) R D`` bytes (``e`` its element size), two kernels.
 
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from fsg._src.passes import float8_fuse
+from fsg._src.passes import float8_fuse, float8_weights
 from fsg._src.passes.float8_quantize import E4M3, operands, peel
 
 log = logging.getLogger("fsg")
@@ -145,6 +148,9 @@ def cast_cost(t: fx.Node, flip: bool, rowwise: bool, timer: Timer) -> float:
     rows, width = (val.shape[1], val.shape[0]) if flip else (val.shape[0], val.shape[1])
     if rowwise and not flip and float8_fuse.fusable(t, E4M3) is not None:
         return (rows * width + 4 * rows) / timer.bytes_per_second()
+    if rowwise and float8_fuse.FUSE_WEIGHTS and (found := float8_weights.source(t)) is not None:
+        # half of fsg::weight_fp8's two launches: two reads of what it reads, both copies' writes
+        return (found[0].meta["val"].element_size() + 1) * rows * width / timer.bytes_per_second() + timer.launch()
     e = val.element_size()
     return (3 * e + 1) * rows * width / timer.bytes_per_second() + 2 * timer.launch()
 
