@@ -193,7 +193,8 @@ def _weight_sweep(name, w, moved, t_ind, copy_gbs) -> None:
         gbs = moved / ms / 1e6
         print(f"| {name} | block {bn} x {bk}, warps={warps} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | "
               f"{t_ind / ms:.2f}x |", flush=True)  # fmt: skip
-        best = min(best or (ms, ""), (ms, f"block {bn} x {bk}, warps={warps}"))
+        label = f"block {bn} x {bk}, warps={warps}"
+        best = min(best, (ms, label)) if best else (ms, label)
     print(f"| {name} | **best of the sweep**: {best[1]} | {best[0]:.3f} |  |  | {t_ind / best[0]:.2f}x |", flush=True)
 
 
@@ -253,7 +254,7 @@ def main() -> None:
             gbs = moved / ms / 1e6
             tiling = f"rows={rows} iters={iters} programs={t.programs} warps={warps} stages={stages}"
             print(f"| {name} | {tiling} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.0%} | {t_ind / ms:.2f}x |", flush=True)
-            best = min(best or (ms, ""), (ms, tiling))
+            best = min(best, (ms, tiling)) if best else (ms, tiling)
         print(
             f"| {name} | **best of the sweep**: {best[1]} | {best[0]:.3f} |  |  | {t_ind / best[0]:.2f}x |", flush=True
         )

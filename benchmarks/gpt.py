@@ -151,6 +151,7 @@ def run_torch(impl: str, args) -> dict:
     from examples.gpt import GPT, GPTConfig
 
     auto_figures = impl.endswith("-auto")  # (the suffix is taken off below)
+    row = impl  # the row's full name (its profile's file)
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
@@ -348,7 +349,7 @@ def run_torch(impl: str, args) -> dict:
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     step_ms = [round(a.elapsed_time(b), 3) for a, b in zip(events, events[1:])]
     if args.profile:
-        profile_table(step, sync, Path(f"{args.profile}.{args.model}.{impl}.txt"))
+        profile_table(step, sync, Path(f"{args.profile}.{args.model}.{row}.txt"))
     return {
         "ms": ms,
         "step_ms": step_ms,
