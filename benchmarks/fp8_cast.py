@@ -260,17 +260,25 @@ def main() -> None:
         )
     # correctness beside the reference, on the timed shapes
     for name, op, ref, inputs, _, _ in _cases({"355M": 1024}):
+        if args.only not in name:
+            continue
         out, want = op(*inputs), ref(*inputs)
-        # where the FP8 copy is among the outputs, and which tensor's rows it casts (None: the input)
-        first, cast_of = {K.rowwise_fp8: (0, None), LN.layer_norm_fp8: (3, 0), LN.add_layer_norm_fp8: (4, 1)}.get(op, (1, 0))
-        q, inv, inv_ref = out[first], out[first + 1], want[first + 1]
-        rows = (inputs[0] if cast_of is None else out[cast_of]).reshape(q.shape).float()
-        differ = int((q != (rows / inv).clamp(-448, 448).to(K.E4M3)).sum())  # rows * scale vs rows / (1 / scale)
-        err = float(((inv - inv_ref).abs() / inv_ref.abs()).max())
-        print(
-            f"\n{name}: FP8 bytes that differ from its own rows / its inverse scales: {differ} of {q.numel()}; "
-            f"scales vs the reference's: max rel. difference {err:.1e}"
-        )
+        if op is WF.weight_fp8:  # both copies: of W's rows (rounded to bf16), of W.T's
+            rows = inputs[0].bfloat16().float()
+            checks = [(out[0], out[1], want[1], rows), (out[2], out[3], want[3], rows.t())]
+        else:  # where the FP8 copy is among the outputs, and which tensor's rows it casts (None: the input)
+            cases = {K.rowwise_fp8: (0, None), LN.layer_norm_fp8: (3, 0), LN.add_layer_norm_fp8: (4, 1)}
+            first, cast_of = cases.get(op, (1, 0))
+            q = out[first]
+            rows = (inputs[0] if cast_of is None else out[cast_of]).reshape(q.shape).float()
+            checks = [(q, out[first + 1], want[first + 1], rows)]
+        for q, inv, inv_ref, rows in checks:
+            differ = int((q != (rows / inv).clamp(-448, 448).to(K.E4M3)).sum())  # rows * scale vs rows / (1 / scale)
+            err = float(((inv - inv_ref).abs() / inv_ref.abs()).max())
+            print(
+                f"\n{name}: FP8 bytes that differ from its own rows / its inverse scales: {differ} of {q.numel()}; "
+                f"scales vs the reference's: max rel. difference {err:.1e}"
+            )
 
 
 if __name__ == "__main__":
