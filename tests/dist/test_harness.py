@@ -87,3 +87,16 @@ def test_only_a_rank_process_death_is_rerun_once_on_a_fresh_pool(pytester, monke
     assert "test_cases.py R.F" in out and "RERUN test_cases.py::test_dies_once" in out, out
     assert "ProcessDied: the rank's process was killed by SIGKILL" in out  # the death's report is kept
     assert "1 failed, 1 passed, 1 rerun" in out and "rank 1 gives up" in out
+
+
+def test_a_rank_killed_by_a_signal_is_reported_before_a_peer_that_exited():
+    """Where a crash in native code kills rank 1 and rank 0's process exits on its broken
+    collective before rank 1's death is seen (CI, 2026-12-07, on a loaded machine), the report
+    still leads with the signal: the exit is its echo. Deaths lead over errors and timeouts."""
+    from fsg._src.testing import harness
+
+    exited = "ProcessDied: the rank's process exited with code 1"
+    killed = "ProcessDied: the rank's process was killed by SIGSEGV\nits stacks when it died (faulthandler):\n..."
+    assert harness._report(2, {}, {0: exited, 1: killed}, "hung").startswith("rank 1 of 2 failed:\n" + killed)
+    assert harness._report(2, {}, {0: killed, 1: exited}, "hung").startswith("rank 0 of 2 failed:\n" + killed)
+    assert harness._report(3, {}, {0: "ValueError: x", 2: exited}, "hung").startswith("rank 2 of 3 failed:\n" + exited)

@@ -76,11 +76,17 @@ def _death(exitcode: int | None, crash_log: str) -> str:
 
 
 def _report(world_size: int, out: dict, errors: dict[int, str], silent_why: str) -> str:
-    """The first failure in full (a dead process first: the others' errors are often its echo),
-    then one line for each other rank."""
+    """The first failure in full (a dead process first, one killed by a signal before one that
+    exited: the others' errors, and a peer's exit when its collective broke, are often its
+    echo), then one line for each other rank."""
     silent = {r: f"TimeoutError: {silent_why}" for r in range(world_size) if r not in out and r not in errors}
     failed = {**errors, **silent}
-    first = min(failed, key=lambda r: (not failed[r].startswith("ProcessDied"), r in silent, r))
+
+    def cause_first(r: int) -> tuple:
+        died = failed[r].startswith("ProcessDied")
+        return not died, not (died and "killed by" in failed[r].splitlines()[0]), r in silent, r
+
+    first = min(failed, key=cause_first)
     lines = [f"rank {first} of {world_size} failed:\n{failed[first]}"]
     for r in sorted(set(range(world_size)) - {first}):
         state = "finished" if r in out else (failed[r].strip().splitlines() or ["?"])[-1]
