@@ -30,6 +30,7 @@ from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
 from fsg._src.kernels.column_sum import column_sum
 from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
 from fsg._src.kernels.float8_cast_kernel import saturate, scale_of
+from fsg._src.kernels.float8_cast_kernel import tiling as cast_tiling
 
 DTYPES = (torch.bfloat16, torch.float16)  # the gradient dtypes the kernel serves (an FP8 matmul's operand)
 
@@ -89,9 +90,13 @@ def _layer_norm_backward_fp8_kernel(
 
 
 def tiling(M: int, N: int) -> RowTiling:
-    """The backward norm's tiling (``RowTiling(backward=True)``: tiles of ~4096 elements, four
-    a program; the H200 sweep of ``kernels/layer_norm.py``'s backward found it best)."""
-    return RowTiling(M, N, backward=True)
+    """The cast kernels' tiling (``float8_cast_kernel.tiling``: one row a tile, ~1024-2048
+    programs walking the rows), not the plain norm backward's (``RowTiling(backward=True)``,
+    ~4096-element tiles of 2-4 rows): with that one this kernel ran 256 us a norm at GPT-2
+    355M's ``[16384, 1024]`` on an H100 (2026-12-07, RESULTS.md), 5.7x its bytes' time, as
+    the H200 sweeps had found 2- and 4-row tiles 1.1-10x slower than one row for the casts.
+    Not yet measured with this one."""
+    return cast_tiling(M, N)
 
 
 def launch(dy_MN, x_MN, w, mean_M, rstd_M, r_MN, dx_MN, q_MN, inv_M, part, sums: tuple[bool, bool, bool], t=None):
