@@ -93,8 +93,8 @@ Implementations (--impl):
             fsg::rowwise_fp8 (off by default until measured; e.g. fsg-fp8-row-fastgi-lnb)
   any fsg-fp8-row implementation + -wfp8 / -nowfp8   with FUSE_WEIGHTS on / off: each weight's
             two FP8 casts (W and W.T) from its float32 master in fsg::weight_fp8, or Inductor's
-            casts of its bf16 copy (off by default until measured; after -lnb: e.g.
-            fsg-fp8-row-fastgi-lnb-wfp8)
+            casts of its bf16 copy (on by default since 2026-12-07; after -lnb: e.g.
+            fsg-fp8-row-fastgi-lnb-nowfp8)
   any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
             kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
             attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
