@@ -7,8 +7,9 @@ reduction and a transposed cast), and that copy is written at the step's start a
 the backward. Where both casts are needed and ``W`` is a weight (a step input, cast to the
 compute dtype or not, or a collective's result: FSDP's gathered weight), one
 ``fsg::weight_fp8`` (``kernels/weight_fp8.py``) computes both from what ``W`` is a cast of,
-rounding as that cast does: the same values bit for bit, and the compute-dtype copy is no
-longer written where nothing else reads it.
+rounding as that cast does: the same values (bit for bit on CPU, where the op runs the unfused
+casts; on a GPU its scales come from Triton's float32 division, as Inductor's do), and the
+compute-dtype copy is no longer written where nothing else reads it.
 """
 
 from __future__ import annotations
