@@ -59,7 +59,7 @@ def _source(cast: fx.Node) -> fx.Node | None:
     if set(cast.kwargs) != {"dtype"} or cast.kwargs["dtype"] not in _TARGETS:
         return None
     src = cast.args[0]
-    while isinstance(src, fx.Node) and src.op == "call_function" and _same_tensor(src):
+    while isinstance(src, fx.Node) and src.op == "call_function" and same_tensor(src):
         src = src.args[0]
     if not isinstance(src, fx.Node) or src.op != "placeholder":
         return None
@@ -89,7 +89,7 @@ def _stays(cast: fx.Node) -> bool:
     return False
 
 
-def _same_tensor(node: fx.Node) -> bool:
+def same_tensor(node: fx.Node) -> bool:
     """Whether ``node`` is its first argument under another name: a ``detach``, an ``alias``, or
     a view to the same shape (how stage 2 hands a rank the local tensor of a parameter)."""
     if node.target in (aten.detach.default, aten.alias.default):

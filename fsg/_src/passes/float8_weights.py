@@ -21,27 +21,20 @@ from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.kernels import weight_fp8 as kernel
+from fsg._src.passes.batch_casts import same_tensor
 from fsg._src.passes.float8_graph import fused_outputs
 
 aten = torch.ops.aten
 WEIGHT_FP8 = torch.ops.fsg.weight_fp8.default
 OUTPUTS = {WEIGHT_FP8: ("q", "inv", "qt", "inv_t")}
-_ALIASES = (aten.detach.default, aten.alias.default)
 
 
 def _through_aliases(node: fx.Node) -> fx.Node:
-    """Up through detaches, aliases and views to the same shape (how stage 2 hands a rank its
-    local tensor on a mesh)."""
-    while node.op == "call_function" and (node.target in _ALIASES or _same_shape_view(node)):
+    """Up through detaches, aliases and views to the same shape (``batch_casts.same_tensor``:
+    how stage 2 hands a rank its local tensor on a mesh)."""
+    while node.op == "call_function" and same_tensor(node):
         node = node.args[0]
     return node
-
-
-def _same_shape_view(node: fx.Node) -> bool:
-    if node.target is not aten.view.default or not isinstance(node.args[0], fx.Node):
-        return False
-    before, after = node.args[0].meta.get("val"), node.meta.get("val")
-    return before is not None and after is not None and tuple(before.shape) == tuple(after.shape)
 
 
 def source(t: fx.Node) -> tuple[fx.Node, torch.dtype | None] | None:
