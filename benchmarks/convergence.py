@@ -2,13 +2,14 @@
 
     python benchmarks/convergence.py                         # GPT-2 124M, 300 steps, 2 runs each
     python benchmarks/convergence.py --impl compile,fsg-autocast --steps 300 --runs 2
-    python benchmarks/convergence.py --model tiny --device cpu --steps 20   # a smoke run on CPU
+    python benchmarks/convergence.py --model tiny --device cpu --steps 20 --batch 2 --seq 128   # CPU smoke run
 
 GPT-2 124M (examples/gpt.py: vocab 50304, 1024 positions, tied head) trained on real text: the
 bytes of Python's standard library sources (every machine has them), batch 16 x 1024 tokens
 drawn at fixed random offsets (the same batches for every run), float32 params and AdamW state
 (betas 0.9/0.95, weight decay 0.1, eps 1e-8), learning rate ``fsg.optim.warmup_cosine(6e-4,
-warmup=30, total=steps, end_value=6e-5)`` on both sides (the baseline calls the same schedule).
+warmup=30, total=steps, end_value=6e-5)`` on both sides (the baseline calls the same schedule; runs
+shorter than 300 steps warm up for a tenth of them).
 
 Implementations (--impl), each in its own process; within it, --runs runs from the same
 initial weights (the compiled step is reused, so the runs differ only by the kernels' own
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -130,7 +132,7 @@ def run(impl: str, args) -> dict:
     model = GPT(cfg).to(dev)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = batches(args.steps, args.batch, args.seq, dev)
-    schedule = fsg.optim.warmup_cosine(args.lr, warmup=30, total=args.steps, end_value=args.lr / 10)
+    schedule = fsg.optim.warmup_cosine(args.lr, warmup=min(30, args.steps // 10), total=args.steps, end_value=args.lr / 10)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
     if impl.startswith("compile"):
@@ -210,6 +212,11 @@ def run(impl: str, args) -> dict:
     }
 
 
+def _tail(curve: list[float]) -> float:
+    """The mean of the last ``WINDOW`` losses (the "final loss" compared across implementations)."""
+    return sum(curve[-WINDOW:]) / min(WINDOW, len(curve))
+
+
 def moving(curve: list[float]) -> list[float]:
     return [sum(curve[i - WINDOW : i]) / WINDOW for i in range(WINDOW, len(curve) + 1)]
 
@@ -268,12 +275,17 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, {gpu}, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}\n")  # fmt: skip
-    print("| implementation | run | mean loss, last 25 steps | held-out loss (bf16 eval) | step (ms, median) | peak (GiB) |")
-    print("|---|---|---|---|---|---|")
+    first = next(iter(results.values()), None)
+    base = (_tail(first["losses"][0]), first["heldout"][0]) if first else (math.nan, math.nan)
+    print(f"| implementation | run | mean loss, last 25 steps | held-out loss (bf16 eval) | vs {impls[0]} #1 (last 25 / "
+          "held-out) | non-finite losses | step (ms, median) | peak (GiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for impl, r in results.items():
         for k, curve in enumerate(r["losses"]):
-            tail = sum(curve[-WINDOW:]) / min(WINDOW, len(curve))
-            print(f"| {impl} | {k + 1} | {tail:.4f} | {r['heldout'][k]:.4f} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
+            tail, held = _tail(curve), r["heldout"][k]
+            bad = sum(not math.isfinite(v) for v in curve)
+            vs = f"{tail / base[0] - 1:+.2%} / {held / base[1] - 1:+.2%}"
+            print(f"| {impl} | {k + 1} | {tail:.4f} | {held:.4f} | {vs} | {bad} | {r['ms']:.2f} | {r['peak_gib']:.2f} |")
     print("\nMean |difference| of 25-step moving averages (steps 25..end):\n")
     print("| curve A | curve B | distance |")
     print("|---|---|---|")

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Issue 18's FP8 figures on one H200 (~10 minutes, more than one device call allows at the
-# defaults: split the row lists over two calls on one machine, IMPLS_355M= / IMPLS_13B= below):
-# the float8 CUDA tests, the cast kernels against Inductor, GPT-2 355M (fsg bf16 beside rowwise
-# FP8, default and fast grad-input accumulation) and 1.3B (torchao float8 training, rowwise FP8
-# with FP8 grad-weights at each accumulation, fsg bf16): RESULTS.md's 2026-12-03 and 2026-12-04
-# tables. Every configuration is first compiled side by side to fill Inductor's cache (a warm-up
-# that runs out of GPU memory beside the others has still filled it); then each timed row runs
-# alone on the GPU. Logs go to ${OUT:-out}/.
+# Issue 18's FP8 figures on one H200 (~7 minutes: more than one device call allows, so split the
+# row lists over two calls on one warm machine, IMPLS_355M= / IMPLS_13B= below): the FP8 CUDA
+# tests, the cast kernels against Inductor, GPT-2 355M (fsg bf16 beside rowwise FP8 with fast
+# grad-inputs, with and without the weights' fused casts) and 1.3B (rowwise FP8 with FP8
+# grad-weights, fsg bf16, torchao's float8 training): RESULTS.md's 2026-12-07 (fortieth session)
+# tables, where these defaults met the issue's targets. Every configuration is first compiled side
+# by side to fill Inductor's cache (a warm-up that runs out of GPU memory beside the others has
+# still filled it); then each timed row runs alone on the GPU. Logs go to ${OUT:-out}/.
 # Usage: bash benchmarks/run_fp8.sh            (IMPLS_355M / IMPLS_13B override the row lists)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/fsg_inductor_cache}
-IMPLS_355M=${IMPLS_355M:-fsg,fsg-fp8-row,fsg-fp8-row-fastgi}
-IMPLS_13B=${IMPLS_13B:-compile-fp8,fsg-fp8-row-gw,fsg-fp8-row-gw-fastgi,fsg-fp8-row-gw-fastall,fsg}
+IMPLS_355M=${IMPLS_355M:-fsg-fp8-row-fastgi,fsg,fsg-fp8-row-fastgi-nowfp8}
+IMPLS_13B=${IMPLS_13B:-fsg-fp8-row-gw-fastgi,fsg,compile-fp8}
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" > "$OUT/versions.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$OUT/versions.txt" 2>&1
 # warm-up compiles, side by side (one process each; the 1.3B ones are the slow compiles)
@@ -24,7 +24,7 @@ for impl in ${IMPLS_355M//,/ }; do
   [ "$impl" = fsg ] && continue  # fsg bf16 at 355M compiles in ~20 s: not worth the memory beside the others
   timeout 200 python benchmarks/gpt.py --model 355m --impl "$impl" --steps 1 --warmup 1 > "$OUT/warm_355m_$impl.log" 2>&1 &
 done
-timeout 220 python -m pytest -q tests/gpu/test_float8_cuda.py -p no:cacheprovider > "$OUT/tests_float8.log" 2>&1
+timeout 220 python -m pytest -q tests/gpu/test_float8_cuda.py tests/gpu/test_weight_fp8_cuda.py -p no:cacheprovider > "$OUT/tests_float8.log" 2>&1
 echo "tests rc=$?" >> "$OUT/tests_float8.log"
 wait
 # timed, alone
