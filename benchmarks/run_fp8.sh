@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's FP8 figures on one H200 (~7 minutes: more than one device call allows, so split the
+# Issue 18's FP8 figures on one H200 (~8 minutes, near one device call's 10-minute limit: split the
 # row lists over two calls on one warm machine, IMPLS_355M= / IMPLS_13B= below): the FP8 CUDA
 # tests, the cast kernels against Inductor, GPT-2 355M (fsg bf16 beside rowwise FP8 with fast
 # grad-inputs, with and without the weights' fused casts) and 1.3B (rowwise FP8 with FP8
