@@ -482,3 +482,30 @@ def test_higher_order_operators_and_their_eager_compile_flag():
     with Spy():
         flex_attention(q, q, q, block_mask=mask)
     assert True in seen and not _torch_private.in_hop_compile()
+
+
+def test_aot_eager_compile_keeps_a_0d_float64_input_mutation():
+    """``torch.compile(..., backend="aot_eager")`` of ``x.copy_(x - 0.5)`` leaves a 0-d float64
+    CPU ``x`` unchanged (Dynamo's ``_tensorify_python_scalars`` restarts and drops the copy, torch
+    2.13); AOTAutograd called directly keeps it."""
+    x = torch.tensor(0.7, dtype=torch.float64)
+
+    def f(x):
+        x.copy_(x - 0.5)
+        return (x * 2,)
+
+    gm = _torch_private.trace_fake(f, x.clone())
+    fn = _torch_private.aot_eager_compile(gm, [x])
+    (out,) = fn(x)
+    assert x.item() == pytest.approx(0.2) and out.item() == pytest.approx(0.4)
+
+
+def test_mkldnn_disabled_restores_the_flag_after_disable_global_flags():
+    before = torch.backends.mkldnn.enabled
+    torch.backends.disable_global_flags()
+    try:
+        with _torch_private.mkldnn_disabled():
+            assert not torch.backends.mkldnn.enabled
+        assert torch.backends.mkldnn.enabled == before
+    finally:
+        torch.backends.__allow_nonbracketed_mutation_flag = True  # the process's other tests set flags

@@ -261,6 +261,27 @@ def inductor_compile(
 
 
 @contextlib.contextmanager
+def mkldnn_disabled():
+    """Within: oneDNN off, restored after. torch's own ``mkldnn.flags()`` also resets its
+    deterministic and TF32 flags (and warns about TF32 on CPU builds); assigning
+    ``torch.backends.mkldnn.enabled`` raises after ``torch.backends.disable_global_flags()``."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def aot_eager_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """``gm`` functionalized by AOTAutograd and run op by op (the ``aot_eager`` backend), without
+    Dynamo re-tracing it; input mutations stay in the graph (``keep_input_mutations``)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    return aot_eager(gm, list(example_inputs))
+
+
+@contextlib.contextmanager
 def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
     """Within: each line Inductor's ``PythonWrapperCodegen`` writes is ``rewrite(line, wrapper)`` first
     (``wrapper``: the codegen; its ``imports`` block an ``IndentedBuffer``). One compile at a time."""

@@ -43,7 +43,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Callable[..., tuple]:
             gm = _torch_private.copy_graph_module(gm)  # the caller's graph stays as it was
             flex_attention.captured_grads_when_run_eagerly(gm)
         return gm
-    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+    return AotEagerStep(gm)
 
 
 # The outputs through which torch's CUDA attention kernels return their RNG state.
@@ -85,6 +85,27 @@ def keep_rng_state_alive(gm: fx.GraphModule) -> int | None:
     out.args = (own + tuple(extra),)
     gm.recompile()
     return len(own)
+
+
+class AotEagerStep:
+    """The step graph run by AOTAutograd's functionalized graph, op by op, built on its first call.
+
+    The graph goes to AOTAutograd directly (``_torch_private.aot_eager_compile``), not through
+    ``torch.compile``: Dynamo's ``_tensorify_python_scalars`` pass takes a 0-d float64 CPU input
+    for a Python float it wrapped, restarts its analysis and drops the graph's ``copy_`` into it,
+    so a donated 0-d float64 parameter never moved (torch 2.13; ``tests/test_zero_dim.py``).
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        self._gm = gm
+        self._compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        key = tuple(t.stride() for t in inputs)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = _torch_private.aot_eager_compile(self._gm, list(inputs))
+        return fn(*inputs)
 
 
 class InductorStep:

@@ -85,10 +85,12 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
     ``mkldnn_rnn_layer`` for a CPU input that needs no gradient even where the weights need
     one, and traced on fake tensors that kernel's backward gets no workspace (the step then
     fails: "Expected a proper Tensor but got None ... 'workspace'", torch 2.13). Without it the
-    LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected."""
-    mkldnn, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
+    LSTM traces as its matmuls, the same computation; what runs the graph later is unaffected.
+    The flag is switched under a context manager that restores it and works after
+    ``torch.backends.disable_global_flags()``, where assigning ``torch.backends.mkldnn.enabled``
+    raises (``_torch_private.mkldnn_disabled``)."""
     try:
-        with libraries.tracing():  # as the libraries run eagerly, leaving nothing of the trace in them
+        with _torch_private.mkldnn_disabled(), libraries.tracing():  # as the libraries run eagerly, leaving nothing of the trace in them
             return _torch_private.trace_fake(fn, *inputs, source_lines=source_lines, decompositions=decompositions)
     except _torch_private.DATA_DEPENDENT_ERRORS as exc:
         frames = traceback.extract_tb(exc.__traceback__)
@@ -107,8 +109,6 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
             f"shape torch cannot know without the data, so a compiled step (one static graph) cannot hold it. "
             f"fsg does not support it yet; compute that loss another way, or outside the compiled step."
         ) from exc
-    finally:
-        torch.backends.mkldnn.enabled = mkldnn
 
 
 def host_sync_error(where: str, what: str) -> HostSyncError:
