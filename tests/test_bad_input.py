@@ -98,6 +98,11 @@ CASES = {
     "init seed not an int": Case(lambda t: compile_().init(fsg.params(MODEL), seed="0"), ArgumentError, ("step.init(seed=...)",)),
     "init seed beyond int64": Case(lambda t: compile_().init(fsg.params(MODEL), seed=2**64), ArgumentError,
                                    ("step.init(seed=...)", "2**63")),
+    "init with model.parameters()": Case(lambda t: compile_().init(MODEL.parameters()), ArgumentError,
+                                         ("step.init(params)", "not an iterator", "fsg.params(model)")),
+    "batch leaf a list of tensors": Case(
+        lambda t: first_step(batch={"x": [regression_batch()["x"]], "y": regression_batch()["y"]}), fsg.BatchError,
+        ("batch['x'] (a list of 1 tensor)", "torch.stack", "helpers.py\", line 27")),
     # the state at the first call
     "state not a TrainState": Case(lambda t: first_step(state=lambda s: {"params": fsg.params(MODEL)}), ArgumentError,
                                    ("state must be the fsg.TrainState", "step.init(fsg.params(model))")),

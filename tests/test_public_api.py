@@ -40,6 +40,23 @@ def test_errors_are_fsg_errors():
         assert issubclass(getattr(fsg, name), fsg.FsgError)
 
 
+def test_public_errors_print_under_their_public_names():
+    import pickle
+    import traceback
+
+    classes = [getattr(fsg, n) for n in fsg.__all__ if isinstance(getattr(fsg, n), type)]
+    errors = [c for c in classes if issubclass(c, (Exception, Warning))]
+    assert len(errors) >= 20
+    for cls in errors:
+        assert cls.__module__ == "fsg" and getattr(fsg, cls.__qualname__) is cls, cls
+        assert pickle.loads(pickle.dumps(cls)) is cls
+    try:
+        raise fsg.HostSyncError("loss_fn called .item()")
+    except fsg.HostSyncError as exc:
+        printed = "".join(traceback.format_exception(exc))
+    assert "fsg.HostSyncError: loss_fn called .item()" in printed and "_src" not in printed.splitlines()[-1]
+
+
 def test_sharding_testing_distributed_names():
     import fsg.distributed
     import fsg.sharding

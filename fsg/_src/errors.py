@@ -111,3 +111,34 @@ class ReplicaMismatchError(FsgError):
     the same shard of a state leaf holding different bytes: replicas drifted apart (silent data
     corruption, a non-deterministic update, a state changed on some ranks only). The message
     names the first such leaf and the ranks that differ."""
+
+
+# The public classes print under their public names (``fsg.HostSyncError``, not
+# ``fsg._src.errors.HostSyncError``) in tracebacks and reprs; ``fsg`` re-exports each of them,
+# so pickling by ``__module__`` and ``__qualname__`` finds them there.
+PUBLIC = (
+    ArgumentError,
+    BatchError,
+    CheckpointError,
+    CudaGraphWarning,
+    DataError,
+    FsgError,
+    HostSyncError,
+    ImpureLossError,
+    LossNotScalarError,
+    MeshError,
+    NonFiniteError,
+    NonTensorLeafError,
+    RecompileError,
+    RecompileWarning,
+    ReplicaMismatchError,
+    ShardingFallbackWarning,
+    ShardingRuleError,
+    StructureMismatchError,
+    TopologyError,
+    UnsupportedError,
+    VerificationError,
+)
+for _cls in PUBLIC:
+    _cls.__module__ = "fsg"
+del _cls

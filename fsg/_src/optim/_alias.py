@@ -93,8 +93,9 @@ def adamw(
 ) -> GradientTransformation:
     """Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
 
-    Matches ``torch.optim.AdamW`` with the same hyperparameters; the decay is scaled by the
-    learning rate, so ``p <- p - lr * (adam_update + weight_decay * p)``.
+    Matches ``torch.optim.AdamW`` given the same hyperparameters, ``weight_decay`` included:
+    its default here is optax's 1e-4, torch's is 1e-2. The decay is scaled by the learning rate,
+    so ``p <- p - lr * (adam_update + weight_decay * p)``.
 
     Args:
       learning_rate: a float or a schedule.

@@ -10,6 +10,7 @@ The libraries check their own arguments (``optim/_checks.py``, the checkpoint mo
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,6 +72,13 @@ def check_init(params: Any, seed: Any) -> None:
     if isinstance(params, torch.nn.Module):
         raise checks.fail("step.init(params)", "must be a pytree of tensors, not a module", params,
                           "Pass fsg.params(model)")  # fmt: skip
+    if isinstance(params, Iterator):  # model.parameters() / named_parameters(): a generator of tensors
+        raise checks.fail(
+            "step.init(params)",
+            "must be a pytree of tensors keyed by name, not an iterator",
+            params,
+            "Pass fsg.params(model) (a dict {name: tensor}, tied weights stored once) instead of model.parameters()",
+        )
     tree.check_tensor_leaves(params, "params")
     if not any(p.is_floating_point() or p.is_complex() for p in tree.flatten(params)[0]):
         raise checks.fail("step.init(params)", "has no floating-point tensor, so the step would train nothing", params,

@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import re
 import traceback
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from fsg._src import _torch_private, graph_facts, tree
-from fsg._src.errors import FsgError, HostSyncError, ImpureLossError, UnsupportedError
+from fsg._src.errors import BatchError, FsgError, HostSyncError, ImpureLossError, UnsupportedError
 from fsg._src.trace import libraries, markers
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -109,6 +110,42 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
             f"shape torch cannot know without the data, so a compiled step (one static graph) cannot hold it. "
             f"fsg does not support it yet; compute that loss another way, or outside the compiled step."
         ) from exc
+
+
+_NOT_A_TENSOR = re.compile(r"must be Tensor, not (list|tuple)")
+
+
+def container_misuse(exc: TypeError, batch: Any) -> BatchError | None:
+    """The ``BatchError`` for a torch op handed a list or tuple of the batch where it takes a
+    tensor (``TypeError: linear(): argument 'input' ... must be Tensor, not list``): fsg keeps a
+    batch's lists and tuples as containers, so ``loss_fn`` receives them as such. ``None`` when
+    ``exc`` is another ``TypeError`` or the batch holds no such container."""
+    found = _NOT_A_TENSOR.search(str(exc))
+    if found is None:
+        return None
+    kind = found.group(1)
+    paths = [f"{path} (a {kind} of {n} tensor{'s' if n != 1 else ''})" for path, n in _sequences(batch, "batch", kind)]
+    if not paths:
+        return None
+    where = user_frame(traceback.extract_tb(exc.__traceback__))
+    return BatchError(
+        f"loss_fn passed a {kind} where torch takes a Tensor at {where} ({exc}). The batch holds "
+        f"{', '.join(paths)}: fsg keeps lists and tuples in a batch as containers of tensor leaves, so "
+        f"loss_fn receives the {kind} itself. Stack it into one tensor before the step "
+        f"(torch.stack(...) or torch.cat(...)), or index it inside loss_fn."
+    )
+
+
+def _sequences(node: Any, path: str, kind: str) -> Iterator[tuple[str, int]]:
+    """The paths (and lengths) of the ``kind`` ("list"/"tuple") containers of tensors in ``node``."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _sequences(value, f"{path}[{key!r}]", kind)
+    elif isinstance(node, (list, tuple)):
+        if type(node).__name__ == kind and any(isinstance(x, torch.Tensor) for x in node):
+            yield path, len(node)
+        for i, value in enumerate(node):
+            yield from _sequences(value, f"{path}[{i}]", kind)
 
 
 def host_sync_error(where: str, what: str) -> HostSyncError:

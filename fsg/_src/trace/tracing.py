@@ -249,6 +249,11 @@ def trace(
         gm = purity.trace(flat_step, *state_leaves, *batch_leaves, source_lines=source_lines, decompositions=decompositions)
     except FsgError:
         raise
+    except TypeError as exc:  # a list or tuple of the batch handed to an op that takes a tensor
+        misuse = purity.container_misuse(exc, batch)
+        if misuse is None:
+            raise
+        raise misuse from exc
     except RuntimeError as exc:
         if "in-place" in str(exc) or "inplace" in str(exc):
             found = violation()
