@@ -56,6 +56,8 @@ def test_hostlists():
         ({"nodes": 2, "links": {"rack": {"bandwidth_GBps": 1, "latency_us": 1}}}, r"links names level 'rack', which this topology does not have"),
         ({"hosts": [{"name": "a", "switch": 1}]}, r"hosts\[0\] has unknown field 'switch'"),
         ({"gpus_per_node": 8}, r"lacks 'nodes'"),
+        ({"hosts": [{"name": "a", "rack": "r0"}, {"name": "a", "rack": "r1"}]}, r"hosts\[1\] puts host 'a' in rack 'r1', but an earlier entry put it in rack 'r0'"),
+        ({"hosts": [{"name": "a", "rack": "r0", "pod": "p0"}, {"name": "b", "rack": "r0", "pod": "p1"}]}, r"hosts\[1\] puts rack 'r0' in pod 'p1'.*in pod 'p0'"),
     ],
 )  # fmt: skip
 def test_bad_descriptions_name_the_field(description, match):

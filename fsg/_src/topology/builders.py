@@ -122,7 +122,15 @@ def from_dict(cls, d):
         names += [str(host["name"])] * gpus
         for field, table in (("rack", racks), ("pod", pods)):
             if field in host:
-                table[str(host["name"]) if field == "rack" else str(host["rack"])] = host[field]
+                key = str(host["name"]) if field == "rack" else str(host.get("rack"))
+                if key in table and table[key] != host[field]:  # as the constructor and Slurm paths refuse it
+                    what = f"host {key!r}" if field == "rack" else f"rack {key!r}"
+                    raise TopologyError(
+                        f"hosts[{i}] puts {what} in {field} {host[field]!r}, but an earlier entry put it in "
+                        f"{field} {table[key]!r}: a {'node' if field == 'rack' else 'rack'} lies in one {field}. "
+                        f"Give each {what.split()[0]} one {field}"
+                    )
+                table[key] = host[field]
     if racks and len(racks) != len(set(names)):
         raise TopologyError("some hosts give a rack and others do not; give every host a rack (or none)")
     if pods and len(pods) != len(set(racks.values())):
