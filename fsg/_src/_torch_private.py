@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
+import re
 from typing import Any, Callable
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [  # fmt: skip
     "buffer_storage", "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
     "fake_mode", "functionalize", "grad_hooks", "in_hop_compile", "inductor_compile", "is_collective", "is_pure_op", "lr_scheduler_parts",
     "mutated_args", "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
+    "FAKE_TENSOR_LOG", "final_reduction_line", "scaled_mm",
 ]
 
 # What tracing raises when Python needs a tensor's value (``if x > 0:``; ``.item()`` where not captured).
@@ -40,6 +43,10 @@ DATA_DEPENDENT_ERRORS: tuple[type[BaseException], ...] = (DataDependentOutputExc
 DYNAMIC_SHAPE_ERROR = DynamicOutputShapeException  # an op whose output shape tracing cannot know (``.func``)
 # Ops that bring a tensor's value to the host (torch 2.13 records ``.item()`` so, not raising).
 HOST_SYNC_OPS = frozenset({torch.ops.aten._local_scalar_dense.default})
+
+
+FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")  # logs each failed meta call it then raises
+scaled_mm = torch._scaled_mm  # the FP8 GEMM (a, b, scale_a, scale_b, *, out_dtype, use_fast_accum): public-ish, underscored
 
 
 # The functional collectives stage 2 emits (DTensor lowers redistributions to them).
@@ -293,6 +300,17 @@ def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
         yield
     finally:
         PythonWrapperCodegen.writeline = original
+
+
+# Inductor's wrapper line of a mix-order reduction's final reduction (torch 2.11, 2.13):
+# ``buf = workspace_0[a : b].view(n, C).sum(dim=0)`` (or ``amax``/``amin``/``prod``), then 2.13's
+# ``.view([C])`` and a ``.to(dtype)`` where the buffer is not float32
+_FINAL_REDUCTION = re.compile(r"^(\s*)(\w+) = (\w+\[[^\]]*\]\.view\(.*?\))\.(sum|amax|amin|prod)\(dim=0\)(.*)$")
+
+
+def final_reduction_line(line: str) -> tuple[str, str, str, str, str] | None:  # (indent, buffer, partials, op, tail)
+    m = _FINAL_REDUCTION.match(line)
+    return None if m is None else m.groups()
 
 
 def buffer_storage(name: str, wrapper: Any = None) -> str:

@@ -160,20 +160,3 @@ def test_compiled_step_on_cuda_uses_the_fused_optimizer_by_default():
     # Inductor step itself was 1.2e-5 away from the same step under aot_eager after 5 steps)
     for a, b in zip(fsg._src.tree.flatten(state)[0], fsg._src.tree.flatten(plain_state)[0]):
         assert rel(a, b) < 5e-5
-
-
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_bias_grad_ops_cuda(approximate):
-    """The MLP's GELU gradient and a qkv gradient's concatenation in bf16 with their column
-    sums (``kernels/bias_grad.py``): ``g`` as aten writes it, the sums of ``g`` as written."""
-    from fsg._src.kernels import bias_grad as B
-
-    g_ = torch.Generator(device="cuda").manual_seed(0)
-    dy, h = (torch.randn(4, 1000, 3072, device="cuda", generator=g_, dtype=torch.bfloat16) for _ in range(2))
-    g, colsum = B.gelu_backward_colsum(dy, h, approximate)
-    ref = torch.ops.aten.gelu_backward.default(dy, h, approximate=approximate)
-    assert rel(g.float(), ref.float()) < 1e-2 and rel(colsum, g.float().reshape(-1, 3072).sum(0)) < 1e-5
-    xs = [torch.randn(4, 12, 1000, 64, device="cuda", generator=g_, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
-    c, colsum = B.cat_colsum([x.reshape(4, 1000, 768) if x.is_contiguous() else x.flatten(2) for x in xs])
-    ref = torch.cat([x.flatten(2) for x in xs], -1)
-    assert torch.equal(c, ref) and rel(colsum, ref.float().reshape(-1, 2304).sum(0)) < 1e-5

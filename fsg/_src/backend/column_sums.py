@@ -7,14 +7,14 @@ into one kernel that leaves, per column sum, a float32 workspace of partial sums
 .sum(dim=0)``, a torch reduction that zeroes its semaphores with a memset first. In a replayed
 CUDA graph each memset and each hand-over between it and a kernel costs 1.5-3 us on an H200: the
 56 final sums of a GPT-2 124M step cost ~0.65 ms, against ~0.47 ms of kernel time the fusion
-saved over separate column reductions (``TORCHINDUCTOR_MIX_ORDER_REDUCTION=0``). With fsg's
-kernel the 124M step took 30.56 ms against 30.80 (RESULTS.md, eighteenth session).
+saved over separate column reductions (``TORCHINDUCTOR_MIX_ORDER_REDUCTION=0``); fsg's kernel
+made the 124M step faster (benchmarks/RESULTS.md).
 
 While fsg compiles a step, each such wrapper line calls ``kernels/column_sum.py``'s
 ``column_sum`` instead: one Triton launch, no memset, the rows summed in a fixed order (the
 result is deterministic, as torch's is, but rounds differently, so the tag below keeps these
-compiles apart from others in Inductor's cache). ``ENABLED = False`` turns it off (the A/B:
-``benchmarks/gpt.py --impl fsg-atensums``).
+compiles apart from others in Inductor's cache). ``Fusions(column_sums=False)`` turns it off (the
+A/B: ``benchmarks/gpt.py --impl fsg-atensums``).
 
 The rewrite also corrects those lines where Inductor's are wrong (torch 2.11 and 2.13, found on
 two GPUs, 2026-12-04): the line binds the sum to the buffer's name, a new tensor, even when the
@@ -22,7 +22,7 @@ buffer is a slice of another's storage (``NonOwningLayout``: a ``cat`` input Ind
 in place into the ``cat``'s output, as it does with the gradient buckets of a data-parallel
 step). The sum never reached the ``cat``, which kept uninitialized memory there: every layer
 norm's weight and bias gradient of a data-parallel GPT step was wrong. Here such a line
-allocates the slice first and writes the sum into it, whether ``ENABLED`` or not; a buffer of
+allocates the slice first and writes the sum into it, whether the kernel is on or not; a buffer of
 any other foreign layout (a mutated input) raises ``UnsupportedError`` rather than compile a
 step that computes something else.
 """
@@ -30,31 +30,28 @@ step that computes something else.
 from __future__ import annotations
 
 import contextlib
-import re
+import functools
 
 import torch
 
 from fsg._src import _torch_private
 from fsg._src.errors import UnsupportedError
+from fsg._src.passes.options import Fusions
 
-ENABLED = True
 CACHE_TAG = "fsg.column_sum.v2"  # v2: final sums written into their slice (compiles before it are not reused)
-FIX_TAG = "fsg.final_sums_in_place.v1"  # ENABLED off: Inductor's sums, with the slices fixed
+FIX_TAG = "fsg.final_sums_in_place.v1"  # the kernel off: Inductor's sums, with the slices fixed
 IMPORT = "from fsg._src.kernels.column_sum import column_sum as fsg_column_sum"
-# ``buf = workspace_0[a : b].view(n, C).sum(dim=0)`` (or ``amax``/``amin``/``prod``), then torch
-# 2.13's ``.view([C])`` and a ``.to(dtype)`` where the buffer is not float32
-_FINAL = re.compile(r"^(\s*)(\w+) = (\w+\[[^\]]*\]\.view\(.*?\))\.(sum|amax|amin|prod)\(dim=0\)(.*)$")
 
 
-def rewrite(line: str, wrapper) -> str:
+def rewrite(line: str, wrapper, kernel: bool = True) -> str:
     """``line`` with a mix-order reduction's final reduction corrected (written into the
-    buffer's slice when the buffer is one) and, when ``ENABLED``, a final ``.sum(dim=0)`` as
+    buffer's slice when the buffer is one) and, with ``kernel``, a final ``.sum(dim=0)`` as
     ``fsg_column_sum(...)`` (its import added to ``wrapper.imports`` once); any other line as
     it is. Raises ``UnsupportedError`` for a buffer of another foreign layout."""
-    m = _FINAL.match(line)
+    m = _torch_private.final_reduction_line(line)
     if m is None:
         return line
-    indent, name, partials, op, tail = m.groups()
+    indent, name, partials, op, tail = m
     storage = _torch_private.buffer_storage(name, wrapper)  # an alias's slice is allocated here
     if storage == "other":
         raise UnsupportedError(
@@ -63,7 +60,7 @@ def rewrite(line: str, wrapper) -> str:
             f"Compile with TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 and report this graph to fsg"
         )
     in_place = storage == "alias"
-    if ENABLED and op == "sum":
+    if kernel and op == "sum":
         if IMPORT not in wrapper.imports.getvalue():
             wrapper.imports.writeline(IMPORT)
         if in_place:
@@ -75,11 +72,12 @@ def rewrite(line: str, wrapper) -> str:
 
 
 @contextlib.contextmanager
-def final_sums_as_kernels():
-    """Within: Inductor compiles with ``rewrite`` applied to its wrapper code, under a
-    cache-key tag of its own (``CACHE_TAG``, or ``FIX_TAG`` when not ``ENABLED``)."""
+def final_sums_as_kernels(fusions: Fusions):
+    """Within: Inductor compiles with ``rewrite`` applied to its wrapper code (the kernel where
+    ``fusions.column_sums``), under a cache-key tag of its own (``CACHE_TAG``, or ``FIX_TAG``
+    without the kernel, joined by ``fusions.tag()``: a compile under other fusions is not reused)."""
     tag = torch.compiler.config.cache_key_tag
-    mine = CACHE_TAG if ENABLED else FIX_TAG
+    mine = f"{CACHE_TAG if fusions.column_sums else FIX_TAG}+{fusions.tag()}"
     tagged = torch.compiler.config.patch(cache_key_tag=f"{tag}+{mine}" if tag else mine)
-    with tagged, _torch_private.wrapper_lines_rewritten(rewrite):
+    with tagged, _torch_private.wrapper_lines_rewritten(functools.partial(rewrite, kernel=fusions.column_sums)):
         yield

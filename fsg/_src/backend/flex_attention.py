@@ -124,13 +124,12 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     return [node for node, _, tensors in block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
 
 
-# Refused under Inductor: a block mask the step computes. On CUDA measured wrong (the gradients of a
-# Hugging Face Llama, whose mask was built in each forward before trace/block_masks.py computed it
-# once, on an H100 with torch 2.11; the thirty-seventh session: with CONTIGUOUS_BLOCK_MASKS that
-# model trained as eager, while masks per sequence computed from the batch failed inside Inductor's
-# lowering, "convert FlexibleLayout to FixedLayout first"). On CPU Inductor cannot lower it (torch
-# 2.13: "NoValidChoicesError" from the CPU template).
-REFUSE_BUILT_IN_GRAPH = True
+# Refused under Inductor: a block mask the step computes. On CUDA its gradients were measured wrong
+# (a Hugging Face Llama whose mask was built in each forward, on an H100 with torch 2.11); a copy of
+# each mask tensor into a contiguous buffer of its own fixed that model but not masks computed from
+# the batch per sequence (Inductor's lowering failed: "convert FlexibleLayout to FixedLayout
+# first"), so it was removed and such masks stay refused (benchmarks/RESULTS.md). On CPU Inductor
+# cannot lower it (torch 2.13: "NoValidChoicesError" from the CPU template).
 _WHY = {
     "cuda": "its Inductor step computed wrong gradients with a mask built inside the step (torch 2.11, H100), and "
     "right ones with the mask built outside",
@@ -138,67 +137,16 @@ _WHY = {
 }
 
 
-# On: each block-mask tensor the step computes reaches the CUDA FlexAttention kernels as a contiguous
-# buffer of its own (``contiguous_block_masks``), and such masks are not refused on CUDA. Inductor's
-# templates index them as contiguous ("KV_IDX and KV_NUM_BLKS are always contiguous": the batch
-# offset is ``b * H * stride(1)``, ``stride(0)`` never read) but ask only a unit last stride of them
-# (``realize_inputs``), so a computed tensor laid out otherwise (a batch dim of stride 0: one mask
-# expanded over the sequences) is read at wrong offsets for every sequence but the first. Measured on
-# an H100 (2026-12-06): it fixes the Hugging Face model's own mask left in the step (wrong gradients
-# before, eager's with it), but masks computed from the batch per sequence still fail in Inductor's
-# lowering, and the model's own mask is computed once in stage 1 anyway (trace/block_masks.py), so
-# it stays off and such masks stay refused.
-CONTIGUOUS_BLOCK_MASKS = False
-
-
-@torch.library.custom_op("fsg::contiguous_block_mask", mutates_args=())
-def contiguous_block_mask(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``x`` that Inductor keeps as it is: an opaque op's output has the
-    strides of its fake (``aten.clone`` would be removed as a no-op, or its layout chosen)."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-@contiguous_block_mask.register_fake
-def _(x):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def contiguous_block_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> int:
-    """Rewrites ``gm`` in place while ``CONTIGUOUS_BLOCK_MASKS``: each FlexAttention call on ``devices``
-    (forward and backward) reads each block-mask tensor the graph computes through
-    ``fsg::contiguous_block_mask`` (one copy a tensor, shared by the calls). Returns how many."""
-    if not CONTIGUOUS_BLOCK_MASKS:
-        return 0
-    copies: dict[fx.Node, fx.Node] = {}
-    for node, i, _ in list(block_masks.block_mask_args(gm)):
-        if node.args[0].meta["val"].device.type not in devices:
-            continue
-        items = list(node.args[i])
-        for j, t in enumerate(items):
-            if isinstance(t, fx.Node) and t.op == "call_function":
-                if t not in copies:
-                    with gm.graph.inserting_after(t):
-                        copies[t] = gm.graph.call_function(torch.ops.fsg.contiguous_block_mask.default, (t,))
-                    copies[t].meta = {"val": contiguous_block_mask(t.meta["val"])}
-                items[j] = copies[t]
-        node.args = (*node.args[:i], tuple(items), *node.args[i + 1 :])
-    if copies:
-        gm.recompile()
-    return len(copies)
-
-
-def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] | None = None) -> None:
+def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ...] = ("cpu", "cuda")) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
-    mask the step builds (``block_masks_built_in_graph``), while ``REFUSE_BUILT_IN_GRAPH``. On
-    CUDA, fsg's Inductor step computed wrong gradients for such a mask (a Hugging Face Llama with
-    ``attn_implementation="flex_attention"`` on an H100, torch 2.11: the loss right or nearly, the
-    gradients off by 60% to 2,400% of their norm, changing from run to run; ``aot_eager``,
-    ``torch.compile`` of the same model, and fsg's Inductor step with the mask built outside it
-    all right; ``CONTIGUOUS_BLOCK_MASKS`` is the candidate fix); on CPU Inductor fails to lower it.
-    ``devices``: by default CPU, and CUDA unless ``CONTIGUOUS_BLOCK_MASKS``."""
-    devices = devices or (("cpu",) if CONTIGUOUS_BLOCK_MASKS else ("cpu", "cuda"))
+    mask the step builds (``block_masks_built_in_graph``). On CUDA, fsg's Inductor step computed
+    wrong gradients for such a mask (a Hugging Face Llama with ``attn_implementation=
+    "flex_attention"`` on an H100, torch 2.11: the loss right or nearly, the gradients off by 60%
+    to 2,400% of their norm, changing from run to run; ``aot_eager``, ``torch.compile`` of the
+    same model, and fsg's Inductor step with the mask built outside it all right); on CPU
+    Inductor fails to lower it."""
     found = [n for n in block_masks_built_in_graph(gm) if n.args[0].meta["val"].device.type in devices]
-    if not REFUSE_BUILT_IN_GRAPH or not found:
+    if not found:
         return
     first = next((n for n in found if _is_flex(n)), found[0])
     device = first.args[0].meta["val"].device.type
@@ -215,11 +163,9 @@ def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ..
 
 # Refused on CUDA under Inductor: a block mask per sequence (B > 1), built outside the step too. A
 # Hugging Face Llama given one (packed documents split differently in two sequences) took a step
-# whose loss was 8e-4 off its eager call's on an H100 (torch 2.11, 2026-12-06; tests/gpu/
+# whose loss was 8e-4 off its eager call's on an H100 (torch 2.11; tests/gpu/
 # test_flex_attention_cuda.py), though a plain FlexAttention over a per-sequence length mask
-# matched eager; on CPU the same model's evaluation equals eager. Not root-caused (which of the
-# two compiled kernels is off was not measured before the device time ran out): refused, not run.
-REFUSE_PER_SEQUENCE = True
+# matched eager; on CPU the same model's evaluation equals eager. Not root-caused: refused, not run.
 
 
 def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
@@ -230,9 +176,9 @@ def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
 
 def refuse_per_sequence_block_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:
     """Raises ``UnsupportedError`` where a FlexAttention call on one of ``devices`` reads a block
-    mask per sequence, while ``REFUSE_PER_SEQUENCE`` (see there)."""
+    mask per sequence (see above)."""
     found = [n for n in per_sequence_block_masks(gm) if n.args[0].meta["val"].device.type in devices]
-    if not REFUSE_PER_SEQUENCE or not found:
+    if not found:
         return
     first = next((n for n in found if _is_flex(n)), found[0])
     raise UnsupportedError(

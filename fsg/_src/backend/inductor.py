@@ -12,6 +12,7 @@ from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.backend import add_alpha, column_sums, flex_attention, index_put, views
+from fsg._src.passes.options import DEFAULT, Fusions
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
@@ -24,8 +25,8 @@ def check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
-def compile_graph(gm: fx.GraphModule, backend: str) -> Callable[..., tuple]:
-    """Compiles the step graph with ``backend``.
+def compile_graph(gm: fx.GraphModule, backend: str, fusions: Fusions = DEFAULT) -> Callable[..., tuple]:
+    """Compiles the step graph with ``backend`` (Inductor's rewrites of its code as ``fusions`` says).
 
     ``"inductor"`` generates fused kernels (Triton on GPU, C++ on CPU); ``"aot_eager"`` runs
     the same functionalized graph op by op, which is fast to build and good for debugging;
@@ -34,7 +35,7 @@ def compile_graph(gm: fx.GraphModule, backend: str) -> Callable[..., tuple]:
     """
     check_backend(backend)
     if backend == "inductor":
-        return InductorStep(gm)
+        return InductorStep(gm, fusions)
     hops = sorted({n.target.name() for n in gm.graph.nodes if isinstance(n.target, _torch_private.HigherOrderOperator)})
     if backend == "eager" or hops:  # Dynamo cannot trace a traced flex_attention again ("too many values to unpack")
         if backend != "eager":
@@ -118,7 +119,8 @@ class InductorStep:
     them, as ``torch.compile``'s guards would.
     """
 
-    def __init__(self, gm: fx.GraphModule):
+    def __init__(self, gm: fx.GraphModule, fusions: Fusions = DEFAULT):
+        self._fusions = fusions
         flex_attention.refuse_block_masks_built_in_graph(gm)
         flex_attention.refuse_per_sequence_block_masks(gm)
         flex_attention.refuse_subgraph_tensor_constants(gm)
@@ -129,8 +131,6 @@ class InductorStep:
             log.info("fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)", rewritten)
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
             log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
-        if rewritten := flex_attention.contiguous_block_masks(gm):
-            log.info("fsg: stage 4: %d block-mask tensor(s) copied contiguous for FlexAttention's kernels", rewritten)
         if rewritten := flex_attention.own_buffers_for_cpu_flex_attention(gm):
             log.info("fsg: stage 4: %d CPU flex_attention call(s) given own query, key and value buffers", rewritten)
         self._gm = gm
@@ -152,7 +152,7 @@ class InductorStep:
         fn = self._compiled.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            with column_sums.final_sums_as_kernels():
+            with column_sums.final_sums_as_kernels(self._fusions):
                 fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
             log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
         self._last = (key, fn)

@@ -105,12 +105,9 @@ _WORKSPACES: dict[int, torch.Tensor] = {}
 _LAYOUTS: dict[tuple, int] = {}
 _ALGOS: dict[tuple, list[_HeuristicResult]] = {}
 CANDIDATES = 8  # heuristic results asked for (``matmul``'s ``algo`` picks one; 0, the first, by default)
-# Time the candidates at a problem's first call (outside a CUDA-graph capture) and put the
-# fastest first. Off: a choice by timing can differ between processes, and with it the
-# rounding, which would break bit-exact resumes; benchmarks/gemm_epilogue.py --algos times
-# every candidate in the heuristic's order.
-AUTOTUNE = False
-_TUNED: set[tuple] = set()
+# The heuristic's first candidate, not the fastest by timing: a choice by timing can differ
+# between processes, and with it the rounding, which would break bit-exact resumes;
+# benchmarks/gemm_epilogue.py --algos times every candidate in the heuristic's order.
 
 
 def _handle(device: torch.device) -> tuple[int, torch.Tensor]:
@@ -219,31 +216,10 @@ def _matmul(a, b, epilogue: int, bias, aux, algo: int) -> torch.Tensor:
                 workspace.data_ptr(), WORKSPACE_BYTES, stream.cuda_stream,
             )  # fmt: skip
 
-        if AUTOTUNE and key not in _TUNED and not torch.cuda.is_current_stream_capturing():
-            _tune(candidates, run, stream)
-            _TUNED.add(key)
         _check(run(algo), "cublasLtMatmul")
     finally:
         lib.cublasLtMatmulDescDestroy(desc)
     return out
-
-
-def _tune(candidates: list, run, stream) -> None:
-    """Sorts ``candidates`` fastest first: each run 3 times between CUDA events (one warm-up
-    run first; a candidate whose run fails goes last)."""
-    times = []
-    for i in range(len(candidates)):
-        if run(i) != 0:
-            times.append(float("inf"))
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        for _ in range(3):
-            run(i)
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    candidates[:] = [c for _, c in sorted(zip(times, candidates), key=lambda tc: tc[0])]
 
 
 def _algos(handle: int, desc, layouts: tuple, key: tuple) -> list[_HeuristicResult]:

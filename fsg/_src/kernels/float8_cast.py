@@ -21,13 +21,12 @@ the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). O
   pieces come transposed out of attention's backward: reads each piece in place and writes
   the concatenation, its FP8 copy, scales and column sums.
 - ``rowwise_fp8``: the cast and column sums of a tensor already written that a bias gradient
-  sums (the residual stream's gradient; ``FUSE_COLUMN_SUMS`` in the pass, measured faster).
+  sums (the residual stream's gradient).
 
 Each op can also return the column maxima of ``|g|`` (``column_amax=True``): the scales of
 ``g``'s transposed cast, which a grad-weight matmul in FP8 reads (``Float8(grad_weight="fp8")``),
-so that cast needs no column reduction of its own over ``g``. The pass does not ask for them by
-default: measured on the H200, they cost the kernel more than the Inductor column reductions
-they replace (``passes/float8_fuse.py``'s ``FUSE_COLUMN_AMAX``).
+so that cast needs no column reduction of its own over ``g``. The pass does not ask for them:
+they cost the kernel more than the Inductor column reductions they replace (benchmarks/RESULTS.md).
 
 The quantities equal the unfused graph's (``Quantizer.rowwise_operand``): the row maxima,
 the column maxima and the column sums are of the rows rounded to their dtype,

@@ -233,15 +233,12 @@ def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTi
     block = triton.next_power_of_2(C)
     kind = producer.split(":")[0] if pieces == 1 else "cat"
     warps, programs = TILES.get((kind, block), (min(16, max(4, block // 512)), PROGRAMS))
-    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / programs)), num_warps=warps, stages=PIPELINE_STAGES)
+    return RowTiling(M, C, rows=1, iters=max(1, math.ceil(M / programs)), num_warps=warps)
 
 
 # rows of the column-maxima buffer the programs fold into by atomic max: small enough to stay
 # in L2 (32 x 8192 floats: 1 MiB), so the maxima cost no DRAM traffic and one tiny reduction
 AMAX_ROWS = 32
-# the row loop's software-pipeline depth (``tl.range(num_stages=)``) of every cast and layer-norm
-# kernel; ``benchmarks/gpt.py``'s ``-s3`` rows set 3 to measure it in a step
-PIPELINE_STAGES = 1
 PROGRAMS = 2048  # programs over the rows (and column-sum partial rows): ~16 per SM on an H200
 # (producer, block) -> (num_warps, programs), the best of the H200 sweeps at M = 16384 where
 # it differs from the default: GPT-2 355M's widths (4096 for the MLP, 1024 for the rest) and
@@ -270,8 +267,7 @@ def launch(
     column sums; ``colamax_part_PN`` ``None``, or zeroed rows (any number: ``AMAX_ROWS``) whose
     maximum becomes the column maxima of ``|g|``. ``q_MN`` is scaled for ``float8_e4m3fn``
     whatever its dtype (the CPU tests pass float32: see their docstring); ``q_MN`` and
-    ``inv_M`` ``None`` for no cast at all (``kernels/bias_grad.py``: the rows and their column
-    sums only)."""
+    ``inv_M`` ``None`` for no cast at all (the rows and their column sums only)."""
     M, C = xs[0].shape
     assert len(xs) <= 3 and all(x.shape == (M, C) and (x.stride(1) == 1 or C <= 1) for x in xs), "pieces [M, C]"
     assert all(v is None or v.stride() == xs[0].stride() for v in (h_MC, y_MC))

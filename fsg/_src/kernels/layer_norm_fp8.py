@@ -1,6 +1,6 @@
 """A layer norm's forward with the rowwise FP8 cast of its output, in one read of its input:
 the float8 pass's op for a matmul operand that a layer norm produces (``passes/float8_fuse.py``,
-``FUSE_LAYER_NORMS``).
+``Fusions.fp8_layer_norms``).
 
 Shape legend: M rows (every leading dim flattened), N the normalized width (the contracted dim
 of the matmul that reads the FP8 copy).

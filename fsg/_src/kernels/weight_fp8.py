@@ -1,6 +1,6 @@
 """A weight's two rowwise FP8 copies, one for each layout the matmuls read, from its float32
 master in two launches: the float8 pass's op for a weight that both the forward matmul and the
-grad-input matmul read in FP8 (``passes/float8_weights.py``, ``FUSE_WEIGHTS``).
+grad-input matmul read in FP8 (``passes/float8_weights.py``, ``Fusions.fp8_weights``).
 
 Shape legend: N the weight's rows (a linear layer's outputs), K its columns (its inputs).
 

@@ -19,8 +19,8 @@ buffer, in one kernel; a view of the flat buffer there would keep the gather out
 bucket (one collective per parameter: 28 instead of 1 for the tiny GPT of
 tests/dist/test_precision.py) and copy the bytes once more.
 
-It applies to 16-bit targets on CUDA (``force()`` extends it to CPU, where the op runs
-``copy_`` casts: how the CPU tests check the rewrite), where a group has at least two casts;
+It applies to 16-bit targets on CUDA (``Fusions(on_cpu={"batch_casts"})`` extends it to CPU,
+where the op runs ``copy_`` casts: how the CPU tests check the rewrite), where a group has at least two casts;
 the rewrite is local to the graph it is given, so on a mesh it runs on each rank's graph (data
 parallel: the replicated parameters; FSDP: the shards, cast before their gathers; tensor
 parallel: the local pieces).
@@ -28,32 +28,23 @@ parallel: the local pieces).
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.kernels import cast_flat  # registers the op
-from fsg._src.kernels._common import _flag
 from fsg._src.passes import moves
+from fsg._src.passes.options import DEFAULT, Fusions
 
 aten = torch.ops.aten
 CAST_FLAT = torch.ops.fsg.cast_flat.default
 _TARGETS = (torch.bfloat16, torch.float16)
-ENABLED = True  # benchmarks/gpt.py's fsg-eachcast turns it off for the A/B
-_FORCE = contextvars.ContextVar("fsg_batch_casts_force", default=False)
 
 
-def force():
-    """Within this context the pass also rewrites CPU graphs (for tests without a GPU)."""
-    return _flag(_FORCE)
-
-
-def _source(cast: fx.Node) -> fx.Node | None:
+def _source(cast: fx.Node, fusions: Fusions) -> fx.Node | None:
     """The step input ``cast`` converts (through detaches, aliases and same-shape views), if it
-    is a plain cast of one to a 16-bit dtype on CUDA (or forced) that keeps its layout; else
-    ``None``."""
+    is a plain cast of one to a 16-bit dtype on CUDA (or on CPU where ``fusions.on_cpu`` names
+    the pass) that keeps its layout; else ``None``."""
     if cast.op != "call_function" or cast.target is not aten._to_copy.default or len(cast.args) != 1:
         return None
     if set(cast.kwargs) != {"dtype"} or cast.kwargs["dtype"] not in _TARGETS:
@@ -65,9 +56,13 @@ def _source(cast: fx.Node) -> fx.Node | None:
         return None
     val = src.meta.get("val")
     ok = (
-        isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != cast.kwargs["dtype"]
-        and val.is_contiguous() and val.numel() > 0 and (val.device.type == "cuda" or _FORCE.get())
-    )  # fmt: skip
+        isinstance(val, torch.Tensor)
+        and val.is_floating_point()
+        and val.dtype != cast.kwargs["dtype"]
+        and val.is_contiguous()
+        and val.numel() > 0
+        and fusions.on("batch_casts", val.device.type)
+    )
     return src if ok else None
 
 
@@ -100,12 +95,12 @@ def same_tensor(node: fx.Node) -> bool:
     return before is not None and after is not None and before.shape == after.shape
 
 
-def batch_casts(gm: fx.GraphModule) -> int:
+def batch_casts(gm: fx.GraphModule, fusions: Fusions = DEFAULT) -> int:
     """Rewrites the casts of step inputs as views of one ``fsg::cast_flat`` per (source
     dtype, target dtype, device) group (see the module docstring); returns how many."""
     groups: dict[tuple, list[tuple[fx.Node, fx.Node]]] = {}
     for node in gm.graph.nodes:
-        src = _source(node)
+        src = _source(node, fusions)
         if src is not None and not _stays(node):
             val = src.meta["val"]
             groups.setdefault((val.dtype, node.kwargs["dtype"], val.device), []).append((node, src))

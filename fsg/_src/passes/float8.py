@@ -35,6 +35,7 @@ from fsg._src.errors import UnsupportedError
 from fsg._src.float8_config import Float8
 from fsg._src.passes import float8_cost
 from fsg._src.passes.float8_quantize import Quantizer, flipped, fsdp_gathers, operands, peel
+from fsg._src.passes.options import DEFAULT, Fusions
 
 log = logging.getLogger("fsg")
 aten = torch.ops.aten
@@ -193,9 +194,10 @@ def _listing(which: list[str], shown: int = 3) -> str:
     return ", ".join(which[:shown]) + (f" and {more} more (DEBUG lists each)" if more > 0 else "")
 
 
-def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
-    """Rewrites the selected matmuls of ``gm`` in place (see the module docstring); returns a
-    summary for the stage-3 log."""
+def rewrite(gm: fx.GraphModule, at: Float8Plan, fusions: Fusions = DEFAULT) -> str:
+    """Rewrites the selected matmuls of ``gm`` in place (see the module docstring), its casts
+    fused where ``fusions`` says (``passes/float8_fuse.py``); returns a summary for the stage-3
+    log."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names = {placeholders[i]: name for i, name in at.param_names.items()}
@@ -241,8 +243,10 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             roles[node] = (candidates, grads, saved is candidates[0].x)
     rowwise = at.config.recipe == "rowwise"
     if at.config.filter == "auto":
-        layers, roles = float8_cost.apply(matmuls, layers, roles, at.config, partial(_why_not_op, rowwise=rowwise))
-    batch = _batch_dependent(graph, placeholders[at.first_batch_input:]) if at.amax_groups else set()
+        layers, roles = float8_cost.apply(
+            matmuls, layers, roles, at.config, partial(_why_not_op, rowwise=rowwise), fusions
+        )
+    batch = _batch_dependent(graph, placeholders[at.first_batch_input :]) if at.amax_groups else set()
     kept: dict[tuple[str, torch.dtype], list[str]] = {}  # (why, dtype) -> the matmuls that stay for it
     todo: list[tuple[fx.Node, tuple[bool, bool], bool]] = []  # (matmul, grads, fast accumulation)
     for node in matmuls:  # graph order: a tensor's scale and casts come before every reader
@@ -269,11 +273,13 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
             continue
         todo.append((node, grads, fast))
     reads_flipped = flipped([node for node, _, _ in todo]) if rowwise else set()
-    quantizer = Quantizer(graph, rowwise, at.amax_groups, batch, reads_flipped)
+    quantizer = Quantizer(graph, rowwise, at.amax_groups, batch, reads_flipped, fusions)
     gathered, stay = fsdp_gathers(graph, {n for n, _, _ in todo}, lambda w: _param_of(w, names)) if (
         at.config.all_gather == "fp8") else ([], {})  # fmt: skip
     for why, which in stay.items():
-        log.info("fsg: float8: %s in the compute dtype: %s: %s", _stay(len(which), "weight gather"), why, _listing(which))
+        log.info(
+            "fsg: float8: %s in the compute dtype: %s: %s", _stay(len(which), "weight gather"), why, _listing(which)
+        )
     quantizer.gather_in_fp8(gathered)
     for node, grads, fast in todo:
         quantizer.matmul(node, grads, fast)
@@ -287,4 +293,3 @@ def rewrite(gm: fx.GraphModule, at: Float8Plan) -> str:
     gm.recompile()
     summary = f"{len(todo)} of {len(matmuls)} matmuls in FP8"
     return summary + (f", {len(gathered)} weight{'s' * (len(gathered) > 1)} gathered in FP8" if gathered else "")
-

@@ -14,7 +14,7 @@ costs its bytes at the device's measured copy bandwidth plus a measured launch p
 - fused into the kernel that produces the tensor (``float8_fuse.fusable``: a layer norm, a GELU,
   its gradient, a concatenation, a bias gradient's column sums): the FP8 copy's write only,
   ``R * D + 4 * R`` bytes, no kernel of its own;
-- a weight whose casts ``float8_fuse.FUSE_WEIGHTS`` puts in one op (``fsg::weight_fp8``, both
+- a weight whose casts ``Fusions.fp8_weights`` puts in one op (``fsg::weight_fp8``, both
   layouts from what the weight is a cast of): half that op, ``(e_s + 1) R D`` bytes (``e_s``
   the element size of what it reads, the float32 master's 4) and one kernel;
 - any other: two reads of the tensor (its maxima, then the cast) and the copy's write,
@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from fsg._src import _torch_private
 from fsg._src.passes import float8_fuse, float8_weights
 from fsg._src.passes.float8_quantize import E4M3, operands, peel
+from fsg._src.passes.options import DEFAULT, Fusions
 
 log = logging.getLogger("fsg")
 WHY = "Float8(filter='auto'): its FP8 GEMMs would save less than its casts cost (the cost model, measured)"
@@ -100,7 +102,7 @@ class DeviceTimer:
                 return self._time(lambda: torch.mm(a, b))
             sa, sb = (torch.ones(m, 1), torch.ones(1, n)) if rowwise else (torch.ones(()), torch.ones(()))
             sa, sb = sa.to(self.device), sb.to(self.device)
-            return self._time(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=dtype, use_fast_accum=fast))
+            return self._time(lambda: _torch_private.scaled_mm(a, b, sa, sb, out_dtype=dtype, use_fast_accum=fast))
 
         return self._cached(("gemm", m, k, n, dtype, fp8, fp8 and rowwise, fp8 and fast), measure)
 
@@ -142,13 +144,14 @@ def _casts(mm: Matmul) -> list[tuple[fx.Node, bool]]:
     return out
 
 
-def cast_cost(t: fx.Node, flip: bool, rowwise: bool, timer: Timer) -> float:
-    """The seconds the FP8 copy ``(t, flip)`` adds to the step (the module docstring's bytes)."""
+def cast_cost(t: fx.Node, flip: bool, rowwise: bool, timer: Timer, fusions: Fusions = DEFAULT) -> float:
+    """The seconds the FP8 copy ``(t, flip)`` adds to the step under ``fusions`` (the module
+    docstring's bytes)."""
     val = t.meta["val"]
     rows, width = (val.shape[1], val.shape[0]) if flip else (val.shape[0], val.shape[1])
-    if rowwise and not flip and float8_fuse.fusable(t, E4M3) is not None:
+    if rowwise and not flip and float8_fuse.fusable(t, E4M3, fusions) is not None:
         return (rows * width + 4 * rows) / timer.bytes_per_second()
-    if rowwise and float8_fuse.FUSE_WEIGHTS and (found := float8_weights.source(t)) is not None:
+    if rowwise and fusions.fp8_weights and (found := float8_weights.source(t)) is not None:
         # half of fsg::weight_fp8's two launches: two reads of what it reads, both copies' writes
         return (found[0].meta["val"].element_size() + 1) * rows * width / timer.bytes_per_second() + timer.launch()
     e = val.element_size()
@@ -162,7 +165,9 @@ def saved(mm: Matmul, rowwise: bool, timer: Timer) -> float:
     return timer.gemm(m, k, n, dtype, False, rowwise, False) - timer.gemm(m, k, n, dtype, True, rowwise, mm.fast)
 
 
-def choose(units: dict[Any, list[Matmul]], rowwise: bool, timer: Timer) -> dict[Any, tuple[float, float]]:
+def choose(
+    units: dict[Any, list[Matmul]], rowwise: bool, timer: Timer, fusions: Fusions = DEFAULT
+) -> dict[Any, tuple[float, float]]:
     """The layers (keys of ``units``: each layer's FP8 matmuls, a matmul listed under every
     layer it belongs to, its saving split among them) the model keeps in the compute dtype,
     each with its ``(saved, cost)`` in seconds (its casts' costs split among their readers)."""
@@ -172,10 +177,12 @@ def choose(units: dict[Any, list[Matmul]], rowwise: bool, timer: Timer) -> dict[
         for mm in mms:
             gains[layer] += saved(mm, rowwise, timer) / sum(mm in other for other in units.values())
             casts[layer].update(_casts(mm))
-    costs = {key: cast_cost(*key, rowwise, timer) for keys in casts.values() for key in keys}
+    costs = {key: cast_cost(*key, rowwise, timer, fusions) for keys in casts.values() for key in keys}
     readers = {key: sum(key in keys for keys in casts.values()) for key in costs}
     keep = select(gains, casts, costs)
-    return {layer: (gains[layer], sum(costs[k] / readers[k] for k in casts[layer])) for layer in units if layer not in keep}
+    return {
+        layer: (gains[layer], sum(costs[k] / readers[k] for k in casts[layer])) for layer in units if layer not in keep
+    }
 
 
 def select(gains: dict[Any, float], casts: dict[Any, set], costs: dict[Any, float]) -> set:
@@ -239,13 +246,19 @@ def agreed(layers: list, dropped: dict[Any, tuple[float, float]]) -> dict[Any, t
     return {layers[i]: dropped.get(layers[i], (math.nan, math.nan)) for i in choice[0]}
 
 
-def auto_filter(units: dict[Any, list[Matmul]], names: dict[Any, str], rowwise: bool, device: torch.device,
-                timer: Timer | None = None) -> dict[Any, str]:  # fmt: skip
+def auto_filter(
+    units: dict[Any, list[Matmul]],
+    names: dict[Any, str],
+    rowwise: bool,
+    device: torch.device,
+    timer: Timer | None = None,
+    fusions: Fusions = DEFAULT,
+) -> dict[Any, str]:
     """``choose`` on ``device``'s measurements: the layers to keep in the compute dtype, each with
     ``WHY``; logs the decision (INFO: how many, DEBUG: each layer's figures)."""
     timer = timer or timer_for(device)
     t0 = time.perf_counter()
-    dropped = agreed(list(units), choose(units, rowwise, timer))
+    dropped = agreed(list(units), choose(units, rowwise, timer, fusions))
     for layer, (s, c) in dropped.items():
         log.debug("fsg: float8: %s stays: its FP8 GEMMs save %.1f us, its casts cost %.1f us", names[layer],
                   s * 1e6, c * 1e6)  # fmt: skip
@@ -254,7 +267,9 @@ def auto_filter(units: dict[Any, list[Matmul]], names: dict[Any, str], rowwise: 
     return {layer: WHY for layer in dropped}
 
 
-def apply(matmuls: list[fx.Node], layers: dict, roles: dict, config: Any, why_not_op: Callable) -> tuple[dict, dict]:
+def apply(
+    matmuls: list[fx.Node], layers: dict, roles: dict, config: Any, why_not_op: Callable, fusions: Fusions = DEFAULT
+) -> tuple[dict, dict]:
     """``passes/float8.py``'s ``layers`` and ``roles`` with the layers the cost model keeps in the
     compute dtype marked so (their ``why_not``), given the matmuls each would run in FP8
     (``why_not_op(matmul)``: why a matmul cannot, whatever its layer)."""
@@ -273,6 +288,6 @@ def apply(matmuls: list[fx.Node], layers: dict, roles: dict, config: Any, why_no
     if not units:
         return layers, roles
     device = next(iter(units)).meta["val"].device
-    why = auto_filter(units, {n: layers[n].name for n in units}, rowwise, device)
+    why = auto_filter(units, {n: layers[n].name for n in units}, rowwise, device, fusions=fusions)
     layers = {n: layer._replace(why_not=why.get(n, layer.why_not)) for n, layer in layers.items()}
     return layers, {n: ([layers[c.forward] for c in cs], grads, gw) for n, (cs, grads, gw) in roles.items()}

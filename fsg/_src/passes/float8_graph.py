@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from fsg._src.passes.patterns import FLATTENS
+
 aten = torch.ops.aten
-FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 SUM_DIM = aten.sum.dim_IntList
 
 

@@ -14,10 +14,9 @@ import torch
 from torch import fx
 
 from fsg._src.kernels import float8_cast, gated_fp8  # noqa: F401 - registers the fused ops
+from fsg._src.passes.patterns import CAT, GELU, GELU_BACKWARD, MUL, SILU, SILU_BACKWARD
 
 aten, fsg_ops = torch.ops.aten, torch.ops.fsg
-GELU, GELU_BACKWARD, CAT = aten.gelu.default, aten.gelu_backward.default, aten.cat.default
-MUL, SILU, SILU_BACKWARD = aten.mul.Tensor, aten.silu.default, aten.silu_backward.default
 GELU_BACKWARD_FP8, GELU_FP8, CAT_FP8 = (
     fsg_ops.gelu_backward_fp8.default,
     fsg_ops.gelu_fp8.default,

@@ -25,6 +25,7 @@ from torch import fx
 from fsg._src import _torch_private
 from fsg._src.kernels import float8_cast
 from fsg._src.passes import float8_fuse
+from fsg._src.passes.options import DEFAULT, Fusions
 
 aten = torch.ops.aten
 ADDMM, SCALED_MM = aten.addmm.default, aten._scaled_mm.default
@@ -67,8 +68,8 @@ def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
 
 def flipped(matmuls: list[fx.Node]) -> set[fx.Node]:
     """The tensors (``float8_fuse.rows_base``) these matmuls read as the transpose of a
-    row-major cast (rowwise: ``X`` and ``dY`` of a grad-weight in FP8), whose column maxima a
-    fused op computes where it casts them."""
+    row-major cast (rowwise: ``X`` and ``dY`` of a grad-weight in FP8, and each weight a
+    grad-input reads), whose two casts ``fsg::weight_fp8`` can compute together."""
     out = set()
     for node in matmuls:
         for operand, second in zip(operands(node)[:2], (False, True)):
@@ -134,6 +135,7 @@ class Quantizer:
         amax_groups: tuple[str, ...] = (),
         batch: frozenset | set = frozenset(),
         flipped: frozenset | set = frozenset(),
+        fusions: Fusions = DEFAULT,
     ) -> None:
         self.graph, self.mode, self.rowwise = graph, _torch_private.fake_mode(), rowwise
         # tensorwise on a mesh: each amax of a tensor in ``batch`` is all-reduced (max) over these groups
@@ -141,9 +143,9 @@ class Quantizer:
         # tensorwise: (t, dtype) -> (scale, 1/scale); rowwise: (t, flip, dtype) -> 1/scale
         self.scales: dict[tuple, Any] = {}
         self.casts: dict[tuple[fx.Node, bool, torch.dtype], fx.Node] = {}
-        # rowwise: the tensors (``float8_fuse.rows_base``) some matmul reads transposed, and the
-        # column maxima of |t| a fused op computed for one of them (the transposed cast's scales)
-        self.flipped, self.column_amax = flipped, {}
+        # rowwise: the tensors (``float8_fuse.rows_base``) some matmul reads transposed, and
+        # which fused ops may compute a cast (``float8_fuse.fuse``)
+        self.flipped, self.fusions = flipped, fusions
         self.gathers: dict[fx.Node, fx.Node] = {}  # an FSDP gather's wait -> its FP8 gather (gather_in_fp8)
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
@@ -229,14 +231,10 @@ class Quantizer:
         Each row's amax is a reduction over one row, so the cast needs no pass over the whole
         tensor first and can run in the kernel that produces the row."""
         if not flip and (t, flip, dtype) not in self.casts:
-            float8_fuse.fuse(self, t, dtype)  # (where it applies: the flipped scales too, if read later)
+            float8_fuse.fuse(self, t, dtype)  # (where it applies: a weight's flipped cast too)
         if (t, flip, dtype) not in self.casts:
             rows = self.call(aten.t.default, (t,)) if flip else t
-            colamax = self.column_amax.get(float8_fuse.rows_base(t)) if flip else None
-            if colamax is not None:  # rows' maxima, computed where t was: [N] as [N, 1]
-                amax = self.call(aten.view.default, (colamax, [t.meta["val"].shape[1], 1]))
-            else:
-                amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
+            amax = self.call(aten.amax.default, (self.call(aten.abs.default, (rows,)), [1], True))
             scale = self.scale_of(amax, dtype)
             self.casts[(t, flip, dtype)] = self.cast(rows, scale, dtype)
             self.scales[(t, flip, dtype)] = self.call(aten.reciprocal.default, (scale,))

@@ -1,4 +1,4 @@
-"""The float8 pass's fusion of a weight's two rowwise casts (``float8_fuse.FUSE_WEIGHTS``).
+"""The float8 pass's fusion of a weight's two rowwise casts (``Fusions.fp8_weights``).
 
 Under rowwise scaling a linear layer's forward reads its weight ``W`` cast a scale per row, and
 its grad-input reads ``W.T`` cast a scale per row of ``W.T``. Unfused, each is the generic cast

@@ -15,8 +15,8 @@ cuBLASLt's ``GELU_AUX_BIAS`` epilogue) and the backward pair as ``fsg::mm_gelu_b
 ``dh``; the bias gradient ``sum(dh, [0])`` stays Inductor's.
 Each half applies where its pattern stands alone: a 16-bit ``addmm`` with a 1-D bias and
 unit ``alpha``/``beta`` (or an ``mm``), an ``mm`` read only by the GELU gradient, dims in multiples of 8,
-the tensors on CUDA (``force()`` extends it to CPU, where the ops run the aten ops they replace:
-how the CPU tests check the rewrite). The rewrite is local to the graph it is given, so it
+the tensors on CUDA (``Fusions(on_cpu={"gemm_epilogues"})`` extends it to CPU, where the ops run
+the aten ops they replace: how the CPU tests check the rewrite). The rewrite is local to the graph it is given, so it
 also runs on each rank's graph on a mesh (data parallel, FSDP, tensor parallel: a sharded
 layer's local matmuls keep the pattern; where a collective stands between the matmul and the
 GELU, the pattern is not there). It runs after the float8 pass, which takes the matmuls it
@@ -25,7 +25,6 @@ converts and their GELUs first.
 
 from __future__ import annotations
 
-import contextvars
 import operator
 
 import torch
@@ -33,44 +32,31 @@ from torch import fx
 
 from fsg._src import _torch_private
 from fsg._src.kernels import linear_gelu  # noqa: F401 - registers the ops
-from fsg._src.kernels._common import _flag, fused_ops_enabled
-from fsg._src.passes import float8_fuse, float8_graph
+from fsg._src.kernels._common import fused_ops_enabled
+from fsg._src.passes.options import DEFAULT, Fusions
+from fsg._src.passes.patterns import FLATTENS, GELU, GELU_BACKWARD
 
 aten = torch.ops.aten
-_FLATTENS = float8_graph.FLATTENS
 LINEAR_GELU, MM_GELU_BACKWARD = torch.ops.fsg.linear_gelu.default, torch.ops.fsg.mm_gelu_backward.default
 _DTYPES = (torch.bfloat16, torch.float16)
-# On by default where it applies; benchmarks/gpt.py's fsg-noepilogue turns it off for the A/B.
-ENABLED = True
-# The backward half (benchmarks/gpt.py's fsg-epilogue-fwd turns it off for the A/B). It leaves
-# the bias gradient to Inductor: cuBLASLt's DGELU_BGRAD, which sums it in the epilogue, runs on
-# the H200 (torch 2.11, cuBLASLt 13) as the plain GEMM plus a generic epilogue kernel
-# (cublasLt::epilogue::impl::globalKernel, 322 us a call at GPT-2 124M's [16384, 3072]) against
-# 80 + 33 us for Inductor's GELU-gradient and bias-sum kernels; GPT-2 124M's step took 33.34 ms
-# with it against 31.71 ms without any epilogue (RESULTS.md, 2026-12-04).
-FUSE_BACKWARD = True
-_FORCE = contextvars.ContextVar("fsg_gemm_epilogues_force", default=False)
 
 
-def force():
-    """Within this context the pass also rewrites CPU graphs (the ops then run their aten
-    references): for tests of the rewrite on a machine without a GPU."""
-    return _flag(_FORCE)
-
-
-def gemm_epilogues(gm: fx.GraphModule) -> int:
+def gemm_epilogues(gm: fx.GraphModule, fusions: Fusions = DEFAULT) -> int:
     """Rewrites each tanh GELU fed by a bias ``addmm`` (or an ``mm``) and, with
-    ``FUSE_BACKWARD``, each tanh GELU gradient fed by an ``mm`` (see the module docstring).
-    Returns how many GEMMs took an epilogue."""
+    ``fusions.gemm_epilogue_backward``, each tanh GELU gradient fed by an ``mm`` (see the module
+    docstring; on CPU where ``fusions.on_cpu`` names the pass). Returns how many GEMMs took an
+    epilogue. The backward half leaves the bias gradient to Inductor: cuBLASLt's DGELU_BGRAD,
+    which would sum it in the epilogue, ran as the plain GEMM plus a generic epilogue kernel,
+    slower than Inductor's two kernels (benchmarks/RESULTS.md)."""
     if not fused_ops_enabled():
         return 0
-    fused, rewriter = 0, _Rewriter(gm.graph)
+    fused, rewriter = 0, _Rewriter(gm.graph, fusions)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or _approximate(node) != "tanh":
             continue
-        if node.target is float8_fuse.GELU:
+        if node.target is GELU:
             fused += rewriter.forward(node)
-        elif node.target is float8_fuse.GELU_BACKWARD and FUSE_BACKWARD:
+        elif node.target is GELU_BACKWARD and fusions.gemm_epilogue_backward:
             fused += rewriter.backward(node)
     if fused:
         gm.graph.lint()
@@ -79,9 +65,9 @@ def gemm_epilogues(gm: fx.GraphModule) -> int:
 
 
 def _approximate(node: fx.Node) -> str | None:
-    if node.target is float8_fuse.GELU:
+    if node.target is GELU:
         return node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-    if node.target is float8_fuse.GELU_BACKWARD:
+    if node.target is GELU_BACKWARD:
         return node.kwargs.get("approximate", node.args[2] if len(node.args) > 2 else "none")
     return None
 
@@ -89,23 +75,24 @@ def _approximate(node: fx.Node) -> str | None:
 def _through_view(node: fx.Node, target) -> fx.Node | None:
     """``node`` itself if it is a ``target`` call, or the ``target`` call it flattens or
     unflattens (one view that keeps the last dim)."""
-    if node.op == "call_function" and node.target in _FLATTENS and isinstance(node.args[0], fx.Node):
+    if node.op == "call_function" and node.target in FLATTENS and isinstance(node.args[0], fx.Node):
         src = node.args[0]
         if src.meta["val"].shape[-1] == node.meta["val"].shape[-1]:
             node = src
     return node if node.op == "call_function" and node.target is target else None
 
 
-def _eligible(*nodes: fx.Node) -> bool:
+def _eligible(fusions: Fusions, *nodes: fx.Node) -> bool:
     vals = [n.meta.get("val") for n in nodes]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return False
     dtype, device = vals[0].dtype, vals[0].device
     return (
-        dtype in _DTYPES and all(v.dtype == dtype and v.device == device for v in vals)
-        and (device.type == "cuda" or _FORCE.get())
+        dtype in _DTYPES
+        and all(v.dtype == dtype and v.device == device for v in vals)
+        and fusions.on("gemm_epilogues", device.type)
         and all(d % 8 == 0 and d > 0 for v in vals for d in v.shape[-2:])
-    )  # fmt: skip
+    )
 
 
 def _layout_ok(t: torch.Tensor) -> bool:
@@ -114,8 +101,8 @@ def _layout_ok(t: torch.Tensor) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, graph: fx.Graph):
-        self.graph, self.mode = graph, _torch_private.fake_mode()
+    def __init__(self, graph: fx.Graph, fusions: Fusions):
+        self.graph, self.mode, self.fusions = graph, _torch_private.fake_mode(), fusions
 
     def call(self, target, args: tuple) -> fx.Node:
         node = self.graph.call_function(target, args)
@@ -139,7 +126,7 @@ class _Rewriter:
         if addmm is None or addmm.kwargs or len(addmm.args) != (3 if addmm.target is aten.addmm.default else 2):
             return 0
         bias, x, w_t = addmm.args if len(addmm.args) == 3 else (None, *addmm.args)
-        if not all(isinstance(n, fx.Node) for n in (x, w_t)) or not _eligible(x, w_t, addmm):
+        if not all(isinstance(n, fx.Node) for n in (x, w_t)) or not _eligible(self.fusions, x, w_t, addmm):
             return 0
         if bias is not None and (not isinstance(bias, fx.Node) or bias.meta["val"].shape != (w_t.meta["val"].shape[1],)
                                  or bias.meta["val"].dtype != x.meta["val"].dtype):  # fmt: skip
@@ -161,7 +148,7 @@ class _Rewriter:
         if mm is None or not isinstance(h, fx.Node) or len(mm.users) != 1 or grad is not mm and len(grad.users) != 1:
             return 0
         g, w = mm.args
-        if not _eligible(g, w, mm) or not (_layout_ok(g.meta["val"]) and _layout_ok(w.meta["val"])):
+        if not _eligible(self.fusions, g, w, mm) or not (_layout_ok(g.meta["val"]) and _layout_ok(w.meta["val"])):
             return 0
         if h.meta["val"].dtype != mm.meta["val"].dtype or not h.meta["val"].is_contiguous():
             return 0

@@ -12,15 +12,14 @@ three gradients into ``dqkv`` directly: the copy the ``cat`` made (a read and a 
 gradient) is gone. It applies where the pattern stands exactly: the three gradients read only
 by that concatenation, in ``q, k, v`` order along the last dim, equal shapes (no grouped-query
 heads), no dropout, no mask other than causal, 16-bit, on CUDA with NVIDIA's ``cudnn`` package
-(``force()`` extends it to CPU's flash backward, whose op then runs the aten backward and the
-concatenation: how the CPU tests check the rewrite). The rewrite is local, so it also runs on
+(``Fusions(on_cpu={"pack_attention_grads"})`` extends it to CPU's flash backward, whose op then
+runs the aten backward and the concatenation: how the CPU tests check the rewrite). The rewrite is local, so it also runs on
 each rank's graph on a mesh. It runs before the float8 pass, which then casts the packed
 gradient for its FP8 matmuls as it would any other operand.
 """
 
 from __future__ import annotations
 
-import contextvars
 import operator
 
 import torch
@@ -29,36 +28,28 @@ from torch.fx.operator_schemas import normalize_function
 
 from fsg._src import _torch_private
 from fsg._src.kernels import attention_grads
-from fsg._src.kernels._common import _flag, fused_ops_enabled
+from fsg._src.kernels._common import fused_ops_enabled
+from fsg._src.passes.options import DEFAULT, Fusions
+from fsg._src.passes.patterns import CAT, FLATTENS
 
 aten = torch.ops.aten
 CUDNN_BACKWARD = aten._scaled_dot_product_cudnn_attention_backward.default
 CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 PACKED = torch.ops.fsg.attention_backward_packed.default
 _TRANSPOSES = (aten.transpose.int, aten.permute.default)
-_FLATTENS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _DTYPES = (torch.bfloat16, torch.float16)
-# On by default where it applies; benchmarks/gpt.py's fsg-catgrads turns it off for the A/B.
-ENABLED = True
-_FORCE = contextvars.ContextVar("fsg_pack_attention_grads_force", default=False)
 
 
-def force():
-    """Within this context the pass also rewrites CPU graphs (the op then runs the aten backward
-    and the concatenation): for tests of the rewrite on a machine without a GPU."""
-    return _flag(_FORCE)
-
-
-def pack_attention_grads(gm: fx.GraphModule) -> int:
+def pack_attention_grads(gm: fx.GraphModule, fusions: Fusions = DEFAULT) -> int:
     """Rewrites each attention backward whose gradients only a qkv concatenation reads (see the
-    module docstring). Returns how many it rewrote."""
+    module docstring; on CPU where ``fusions.on_cpu`` names the pass). Returns how many it rewrote."""
     if not fused_ops_enabled():
         return 0
     mode, packed = _torch_private.fake_mode(), 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (CUDNN_BACKWARD, CPU_BACKWARD):
             continue
-        args = _packed_args(node)
+        args = _packed_args(node, fusions)
         chain = _concatenation(node) if args is not None else None
         if chain is None:
             continue
@@ -76,7 +67,7 @@ def pack_attention_grads(gm: fx.GraphModule) -> int:
     return packed
 
 
-def _packed_args(node: fx.Node) -> tuple | None:
+def _packed_args(node: fx.Node, fusions: Fusions) -> tuple | None:
     """The packed op's arguments for the backward ``node``, or ``None`` where it does not apply."""
     bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     if bound is None:
@@ -97,7 +88,7 @@ def _packed_args(node: fx.Node) -> tuple | None:
         if not (device.type == "cuda" and attention_grads.available(device)):
             return None
         seeds = kw["philox_seed"], kw["philox_offset"]
-    elif _FORCE.get() and device.type == "cpu":
+    elif device.type == "cpu" and fusions.on("pack_attention_grads", "cpu"):
         seeds = None, None
     else:
         return None
@@ -127,7 +118,7 @@ def _concatenation(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     pieces, dead = [], []
     for i in range(3):
         chain = [getitems[i]]
-        for allowed in (_TRANSPOSES, _FLATTENS):
+        for allowed in (_TRANSPOSES, FLATTENS):
             users = list(chain[-1].users)
             if len(users) != 1 or users[0].op != "call_function" or users[0].target not in allowed:
                 return None
@@ -141,7 +132,7 @@ def _concatenation(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
     if len(cats) != 1 or any(len(p.users) != 1 for p in pieces):
         return None
     cat = cats.pop()
-    if cat.target is not aten.cat.default or list(cat.args[0]) != pieces:
+    if cat.target is not CAT or list(cat.args[0]) != pieces:
         return None
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     if dim not in (2, -1):

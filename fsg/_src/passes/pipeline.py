@@ -22,7 +22,6 @@ from fsg._src.passes import (
     defer,
     float8,
     fuse_adamw,
-    fuse_bias_grads,
     gemm_epilogues,
     narrow_reads,
     pack_attention_grads,
@@ -30,6 +29,7 @@ from fsg._src.passes import (
     run_pass,
     update_on_arrival,
 )
+from fsg._src.passes.options import DEFAULT, Fusions
 from fsg._src.trace import markers
 
 
@@ -41,6 +41,7 @@ class Options(NamedTuple):
     bucket_mb: float | None = None  # bucket and place the collectives (on a mesh)
     num_state_leaves: int | None = None  # stage 1's leaf layout: the inputs after these are the batch
     float8: float8.Float8Plan | None = None  # Policy(matmul=fsg.Float8()): the linear layers' matmuls in FP8
+    fusions: Fusions = DEFAULT  # which fused kernels the passes may put in (compile_step(fusions=...))
 
     @property
     def bucketing(self) -> bool:
@@ -59,11 +60,18 @@ class Pass(NamedTuple):
 PASSES = (
     # attention's backward writes the qkv gradient in place of a concatenation (a rank's local
     # rewrite, so also on a mesh; before float8, which then casts the packed gradient)
-    Pass("pack_attention_grads", lambda gm, o: pack_attention_grads.pack_attention_grads(gm),
-         lambda o: pack_attention_grads.ENABLED),  # fmt: skip
+    Pass(
+        "pack_attention_grads",
+        lambda gm, o: pack_attention_grads.pack_attention_grads(gm, o.fusions),
+        lambda o: o.fusions.pack_attention_grads,
+    ),
     # reads the parameters' names off their inputs, before the gathers are packed (on a mesh)
-    Pass("float8", lambda gm, o: float8.rewrite(gm, o.float8), lambda o: o.float8 is not None,
-         after=("pack_attention_grads",)),  # fmt: skip
+    Pass(
+        "float8",
+        lambda gm, o: float8.rewrite(gm, o.float8, o.fusions),
+        lambda o: o.float8 is not None,
+        after=("pack_attention_grads",),
+    ),
     # finds the gradients by their fsg::grad markers, and the update by the donation copy_s
     Pass("fuse_adamw", lambda gm, o: fuse_adamw.fuse_adamw(gm, o.adamw), lambda o: o.adamw is not None),
     Pass("strip_markers", lambda gm, o: markers.strip(gm), lambda o: o.adamw is not None, after=("fuse_adamw",)),
@@ -71,29 +79,48 @@ PASSES = (
     Pass("narrow_reads", lambda gm, o: narrow_reads.narrow_reads(gm), lambda o: not o.on_mesh, after=("fuse_adamw",)),
     # an MLP's tanh GELU and its gradient in cuBLASLt's GEMM epilogues (a rank's local rewrite,
     # so also on a mesh; after float8, which takes the matmuls it converts and their GELUs first)
-    Pass("gemm_epilogues", lambda gm, o: gemm_epilogues.gemm_epilogues(gm),
-         lambda o: gemm_epilogues.ENABLED, after=("float8",)),  # fmt: skip
-    # a bias gradient summed where its GELU gradient or qkv concatenation is written (one
-    # device, when ENABLED: measured slower, off; after float8, which fuses those producers
-    # with their FP8 casts instead, and gemm_epilogues, which sums the GELU's in its GEMM)
-    Pass("fuse_bias_grads", lambda gm, o: fuse_bias_grads.fuse_bias_grads(gm),
-         lambda o: not o.on_mesh and fuse_bias_grads.ENABLED, after=("float8", "gemm_epilogues")),  # fmt: skip
+    Pass(
+        "gemm_epilogues",
+        lambda gm, o: gemm_epilogues.gemm_epilogues(gm, o.fusions),
+        lambda o: o.fusions.gemm_epilogues,
+        after=("float8",),
+    ),
     # the parameters' casts to the compute dtype in one launch (a rank's local rewrite, so also
     # on a mesh; after the passes that match a matmul's or GELU's operands, which then read
     # views of its buffer, and before the gathers are packed)
-    Pass("batch_casts", lambda gm, o: batch_casts.batch_casts(gm), lambda o: batch_casts.ENABLED,
-         after=("float8", "fuse_adamw", "narrow_reads", "gemm_epilogues", "fuse_bias_grads")),  # fmt: skip
+    Pass(
+        "batch_casts",
+        lambda gm, o: batch_casts.batch_casts(gm, o.fusions),
+        lambda o: o.fusions.batch_casts,
+        after=("float8", "fuse_adamw", "narrow_reads", "gemm_epilogues"),
+    ),
     # the gathers' buckets first: they fix where the forward reads each parameter
-    Pass("bucket_parameter_gathers", lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
-         lambda o: o.bucketing, after=("float8", "strip_markers")),  # fmt: skip
-    Pass("bucket_gradient_collectives", lambda gm, o: buckets.bucket_gradient_collectives(gm, o.bucket_mb),
-         lambda o: o.bucketing, after=("fuse_adamw", "strip_markers", "bucket_parameter_gathers")),  # fmt: skip
+    Pass(
+        "bucket_parameter_gathers",
+        lambda gm, o: prefetch.bucket_parameter_gathers(gm, o.bucket_mb),
+        lambda o: o.bucketing,
+        after=("float8", "strip_markers"),
+    ),
+    Pass(
+        "bucket_gradient_collectives",
+        lambda gm, o: buckets.bucket_gradient_collectives(gm, o.bucket_mb),
+        lambda o: o.bucketing,
+        after=("fuse_adamw", "strip_markers", "bucket_parameter_gathers"),
+    ),
     # splits the fused node per bucket: needs both the node and the buckets' waits
-    Pass("update_on_arrival", lambda gm, o: update_on_arrival.update_on_arrival(gm),
-         lambda o: o.bucketing and o.adamw is not None, after=("fuse_adamw", "bucket_gradient_collectives")),  # fmt: skip
+    Pass(
+        "update_on_arrival",
+        lambda gm, o: update_on_arrival.update_on_arrival(gm),
+        lambda o: o.bucketing and o.adamw is not None,
+        after=("fuse_adamw", "bucket_gradient_collectives"),
+    ),
     # moves what is left of the forward's small collectives, around the buckets' final places
-    Pass("defer_small_collectives", lambda gm, o: defer.defer_small_collectives(gm, o.num_state_leaves),
-         lambda o: o.on_mesh and bool(o.bucket_mb), after=("bucket_gradient_collectives", "update_on_arrival")),  # fmt: skip
+    Pass(
+        "defer_small_collectives",
+        lambda gm, o: defer.defer_small_collectives(gm, o.num_state_leaves),
+        lambda o: o.on_mesh and bool(o.bucket_mb),
+        after=("bucket_gradient_collectives", "update_on_arrival"),
+    ),
 )
 
 

@@ -21,6 +21,7 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.passes import float8, pipeline
 from fsg._src.passes import fuse_adamw as fusion
+from fsg._src.passes.options import DEFAULT, Fusions
 from fsg._src.precision import Policy
 from fsg._src.runtime import validate
 from fsg._src.sharding import op_support, placement, spmd
@@ -57,6 +58,7 @@ class Builder:
         bucket_mb: float | None,
         skip: bool | None = None,
         fused_loss: bool | None = None,
+        fusions: Fusions = DEFAULT,
     ):
         self._loss_fn = loss_fn
         self._optimizer = optimizer
@@ -70,6 +72,7 @@ class Builder:
         self._bucket_mb = bucket_mb
         self._skip = skip
         self._fused_loss = fused_loss
+        self._fusions = fusions
 
     def build(self, state: Any, batch: Any) -> Built:
         """Stages 1 (trace), 2 (shard, on a mesh) and 3 (graph passes, ``passes/pipeline.py``)
@@ -87,15 +90,17 @@ class Builder:
         on_mesh = self._mesh is not None
         fp8 = float8.plan(self._precision.matmul, state, graph.traced, shard_plan=graph.plan)
         try:
-            return self._optimize(
-                graph, pipeline.Options(adamw, on_mesh, self._bucket_mb, graph.traced.num_state_leaves, fp8)
-            )
+            return self._optimize(graph, self._options(adamw, on_mesh, graph, fp8))
         except UnsupportedError as exc:
             if adamw is None or self._fused_optimizer:  # asked for the fused kernel: no fallback
                 raise
             log.warning("fsg: stage 3: the fused AdamW refused this step (%s); tracing the update's math instead", exc)
         graph = build(state, batch, self._optimizer, False)
-        return self._optimize(graph, pipeline.Options(None, on_mesh, self._bucket_mb, graph.traced.num_state_leaves, fp8))
+        return self._optimize(graph, self._options(None, on_mesh, graph, fp8))
+
+    def _options(self, adamw: Any, on_mesh: bool, built: Built, fp8: Any) -> pipeline.Options:
+        n = built.traced.num_state_leaves
+        return pipeline.Options(adamw, on_mesh, self._bucket_mb, n, fp8, self._fusions)
 
     def _optimize(self, built: Built, options: pipeline.Options) -> Built:
         t0 = time.perf_counter()

@@ -8,6 +8,8 @@ import torch
 
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
+from fsg._src.passes import options as fusion_options
+from fsg._src.passes.options import Fusions
 from fsg._src.precision import Policy
 from fsg._src.rules import Rules
 from fsg._src.runtime import validate
@@ -35,6 +37,7 @@ def compile_step(
     skip_nonfinite: bool | SkipNonFinite | None = None,
     check_replicas: int | None = None,
     fused_loss: bool | None = None,
+    fusions: Fusions | None = None,
 ) -> Step:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
@@ -113,6 +116,11 @@ def compile_step(
         gradients up to float32 rounding. ``None`` (default): when the state is on CUDA, where
         the fused kernels run (on the CPU the fused op runs its reference and gains nothing);
         ``True``: always; ``False``: never.
+      fusions: experimental. A ``Fusions`` (``fsg._src.passes.options``) naming which fused
+        kernels the graph passes and Inductor's code may use, each on by default where it
+        applies; turning one off gives the unfused step (the A/B of ``benchmarks/gpt.py``,
+        and the tests' baseline). Fixed for the step: part of its compile cache and of
+        Inductor's cache tag (docs/compiling.md#fusions). ``None``: ``Fusions()``.
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -131,7 +139,7 @@ def compile_step(
         backend=backend, donate=donate, strict=strict, param_sharding=param_sharding, batch_sharding=batch_sharding,
         precision=precision, accum_steps=accum_steps, microbatch_weight=microbatch_weight, fused_optimizer=fused_optimizer, cuda_graph=cuda_graph,
         bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
-        fused_loss=fused_loss,
+        fused_loss=fused_loss, fusions=fusion_options.check(fusions),
     )  # fmt: skip
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

@@ -28,6 +28,7 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation, device_of
 from fsg._src.optim._complex import real_views
 from fsg._src.passes import buckets
+from fsg._src.passes.options import DEFAULT, Fusions
 from fsg._src.precision import Policy, check_policy
 from fsg._src.rules import Rules
 from fsg._src.runtime import nonfinite, replicas, validate
@@ -70,6 +71,7 @@ class Step:
         skip_nonfinite: bool | nonfinite.SkipNonFinite | None = None,
         check_replicas: int | None = None,
         fused_loss: bool | None = None,
+        fusions: Fusions = DEFAULT,
     ):
         backend_lib.check_backend(backend)
         # what variant() rebuilds the step from
@@ -79,8 +81,9 @@ class Step:
             param_sharding=param_sharding, batch_sharding=batch_sharding, precision=precision,
             accum_steps=accum_steps, microbatch_weight=microbatch_weight, fused_optimizer=fused_optimizer,
             cuda_graph=cuda_graph, bucket_mb=bucket_mb,
-            skip_nonfinite=skip_nonfinite, check_replicas=check_replicas, fused_loss=fused_loss,
+            skip_nonfinite=skip_nonfinite, check_replicas=check_replicas, fused_loss=fused_loss, fusions=fusions,
         )  # fmt: skip
+        self._fusions = fusions  # fixed for the step, so its cache (by signature and flags) is keyed by them
         skip, skip_policy = nonfinite.resolve(skip_nonfinite)
         self._watchdog = nonfinite.Watchdog(skip_policy)
         self._replica_check = replicas.ReplicaCheck(check_replicas)  # every N calls: docs/resilience.md
@@ -109,6 +112,7 @@ class Step:
             bucket_mb=bucket_mb,
             skip=skip,
             fused_loss=fused_loss,
+            fusions=fusions,
         )
         self._backend = backend
         self._donate = donate
@@ -227,7 +231,7 @@ class Step:
             )
         with watch.recording(self._flags):  # the modules' flags the trace reads: part of the key
             built = self._builder.build(state, batch)
-        fn = backend_lib.compile_graph(built.graph, self._backend)
+        fn = backend_lib.compile_graph(built.graph, self._backend, self._fusions)
         leaves = [*tree.flatten(state)[0], *tree.flatten(batch)[0]]
         if cudagraph.wanted(self._cuda_graph, on_mesh=self._mesh is not None, donate=self._donate, leaves=leaves):
             fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves, strict=bool(self._cuda_graph))

@@ -28,9 +28,8 @@ import sys
 import warnings
 from typing import Iterator
 
+from fsg._src import _torch_private
 from fsg._src.trace import packed_sequences, stand_ins
-
-_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
 @contextlib.contextmanager
@@ -39,13 +38,13 @@ def tracing() -> Iterator[None]:
     torch code a trace cannot run as written replaced (``stand_ins``, ``packed_sequences``), and
     FlexAttention's advice to compile it not shown (the step compiles it)."""
     quiet = _MetaFailuresQuiet()
-    _FAKE_TENSOR_LOG.addFilter(quiet)
+    _torch_private.FAKE_TENSOR_LOG.addFilter(quiet)
     try:
         with caches_bypassed(), stand_ins.traceable(), packed_sequences.traceable(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             yield
     finally:
-        _FAKE_TENSOR_LOG.removeFilter(quiet)
+        _torch_private.FAKE_TENSOR_LOG.removeFilter(quiet)
 
 
 class _MetaFailuresQuiet(logging.Filter):
