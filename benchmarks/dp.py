@@ -24,8 +24,8 @@ ddp-opt: the same with the optimizer step compiled as gpt.py's compile-opt (a te
 Inductor's mix-order reductions off (gpt.py's compile-opt-nomix, the fastest one-GPU baseline
 on 2026-12-04); ddp-model: only the model compiled, the loss in eager float32 on the
 materialized logits (the weaker baseline; RESULTS.md rows labelled ``ddp`` before the
-twenty-first session, 2026-12-04, ran this). --reduce bfloat16 reduces gradients in bf16 (fsg's
-``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2:
+H200 run of 2026-12-04 that added ``ddp-opt`` ran this). --reduce bfloat16 reduces gradients
+in bf16 (fsg's ``Policy(reduce=...)``, DDP's ``bf16_compress_hook``, FSDP2's ``reduce_dtype``). fsdp2:
 torchtitan's recipe (``benchmarks/tp_baseline.py``): with a ``tp`` axis in --mesh, Megatron
 tensor parallelism of each block (the fused qkv split by heads), each block
 ``torch.compile``d, then ``fully_shard`` of each block and of the model over ``dp``

@@ -15,7 +15,7 @@ widths (M = 16,384 tokens) through ``torch._scaled_mm``:
 
 Medians of ``triton.testing.do_bench`` (ms), and each blockwise result's relative error to the
 bf16 product (the FP8 rounding, ~3.7%). Usage: ``python benchmarks/fp8_blockwise.py`` (CUDA,
-FP8 tensor cores; RESULTS.md, 2026-12-04, twenty-first session).
+FP8 tensor cores; RESULTS.md, H200, 2026-12-04).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from fsg._src.kernels.column_sum import column_sum
 
 M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps, software-pipeline
-# stages of the row loop; the 355M sweep (RESULTS.md, ninth session) found one row a tile best
+# stages of the row loop; the 355M sweep (RESULTS.md, H200, 2026-12-02) found one row a tile best
 # everywhere, by 1.5-10x
 SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
 WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths

@@ -1,7 +1,7 @@
 """The weight-gradient GEMM with cuBLASLt's ``BGRADB`` epilogue (the bias gradient summed over
 the GEMM's k dimension, the tokens) against ``torch.compile`` of ``dY.t() @ X`` and
-``dY.sum(0)``, at GPT-2 widths on one GPU: the probe behind RESULTS.md's twentieth-session
-table (the epilogue costs what the separate sum costs, so fsg does not use it).
+``dY.sum(0)``, at GPT-2 widths on one GPU: the probe behind RESULTS.md's BGRADB
+table (H200, 2026-12-04) (the epilogue costs what the separate sum costs, so fsg does not use it).
 
     python benchmarks/gemm_bgrad.py            # one JSON line per (width, GEMM)
 

@@ -7,7 +7,7 @@
 # profile). One JSON line per run in $OUT/results.jsonl, each run's log in $OUT/<name>.log.
 # First, fsg's data-parallel and FSDP steps are checked against one device on NCCL (dp.py --check,
 # float32, Inductor): a step that fails is timed all the same but marked in $OUT/checks.txt. This
-# check found the layer-norm gradient bug of 2026-12-04 (RESULTS.md, twenty-third session).
+# check found the layer-norm gradient bug of 2026-12-04 (RESULTS.md, two H200s, 2026-12-04).
 set -u
 OUT=${OUT:-out}
 STEPS=${STEPS:-50}

@@ -3,10 +3,10 @@
 # row lists over two calls on one warm machine, IMPLS_355M= / IMPLS_13B= below): the FP8 CUDA
 # tests, the cast kernels against Inductor, GPT-2 355M (fsg bf16 beside rowwise FP8 with fast
 # grad-inputs, with and without the weights' fused casts) and 1.3B (rowwise FP8 with FP8
-# grad-weights, fsg bf16, torchao's float8 training): RESULTS.md's 2026-12-07 (fortieth session)
-# tables, where these defaults met the issue's targets. Every configuration is first compiled side
-# by side to fill Inductor's cache (a warm-up that runs out of GPU memory beside the others has
-# still filled it); then each timed row runs alone on the GPU. Logs go to ${OUT:-out}/.
+# grad-weights, fsg bf16, torchao's float8 training): RESULTS.md's H200 tables of 2026-12-07
+# (#fp8-355m, #fp8-1-3b), where these defaults met the issue's targets. Every configuration is
+# first compiled side by side to fill Inductor's cache (a warm-up that runs out of GPU memory
+# beside the others has still filled it); then each timed row runs alone on the GPU. Logs go to ${OUT:-out}/.
 # Usage: bash benchmarks/run_fp8.sh            (IMPLS_355M / IMPLS_13B override the row lists)
 set -u
 OUT=${OUT:-out}
