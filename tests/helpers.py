@@ -65,15 +65,16 @@ def gpt_bf16_steps(config: dict, rows: list[torch.Tensor], device: str = "cpu", 
 TINY_GPT = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
-def tiny_gpt_run(rewrite, steps: int = 3, policy=None, **compile_kw):
+def tiny_gpt_run(cpu_passes: frozenset[str] = frozenset(), steps: int = 3, policy=None, **compile_kw):
     """Three steps (``steps``) of a tiny GPT (``TINY_GPT``) on one fixed batch of 2 x 16
-    tokens, the graph optimized and run inside the context ``rewrite`` (a pass's ``force()``,
-    or ``contextlib.nullcontext()``): the tests that check a CUDA-only rewrite on CPU compare
-    the step it rewrote with the plain one. Returns the graph's text, the last loss, the
-    params."""
+    tokens, with the CUDA-only passes ``cpu_passes`` rewriting its CPU graph too
+    (``Fusions(on_cpu=...)``): the tests that check a CUDA-only rewrite on CPU compare the step
+    it rewrote with the plain one. Returns the graph's text, the last loss, the params."""
+    from fsg._src.passes.options import Fusions
+
     x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
-    with rewrite:
-        text, losses, params = gpt_bf16_steps(TINY_GPT, [x] * steps, policy=policy, **compile_kw)
+    fusions = Fusions(on_cpu=cpu_passes, **compile_kw.pop("fusions", {}))
+    text, losses, params = gpt_bf16_steps(TINY_GPT, [x] * steps, policy=policy, fusions=fusions, **compile_kw)
     return text, losses[-1], params
 
 

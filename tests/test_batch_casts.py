@@ -2,7 +2,6 @@
 as views of one multi-tensor cast, bit for bit (CPU: the op's copy_ casts, and its Triton
 kernel under TRITON_INTERPRET=1)."""
 
-import contextlib
 import re
 
 import pytest
@@ -16,6 +15,7 @@ from fsg._src.kernels import cast_flat as K
 from fsg._src.kernels._common import cpu_interpreter
 from fsg._src.passes import batch_casts as P
 from fsg._src.passes import pipeline
+from fsg._src.passes.options import Fusions
 from tests.helpers import tiny_gpt_run
 from tests.kernels.common import KERNEL, needs_triton
 
@@ -23,6 +23,9 @@ BF16, F16 = torch.bfloat16, torch.float16
 _SHAPES = st.lists(
     st.one_of(st.tuples(st.integers(0, 300)), st.tuples(st.integers(1, 9), st.integers(1, 70))), min_size=1, max_size=5
 )
+
+
+ON_CPU = Fusions(on_cpu={"batch_casts"})
 
 
 def _tensors(shapes, seed, dtype=torch.float32):
@@ -108,8 +111,7 @@ def test_casts_of_inputs_become_views_of_one_launch_and_others_stay():
     inputs = [torch.randn(3, 4), torch.randn(5), torch.randn(7), torch.randn(2, 2)]
     gm = _graph(fn, *inputs)
     want = gm(*inputs)
-    with P.force():
-        assert P.batch_casts(gm) == 3
+    assert P.batch_casts(gm, ON_CPU) == 3
     text = gm.code
     assert text.count("fsg.cast_flat.default(") == 1 and text.count("_to_copy.default(") == 4
     assert torch.equal(gm(*inputs), want)
@@ -125,19 +127,17 @@ def test_an_input_cast_twice_is_cast_once():
     inputs = [torch.randn(3, 4), torch.randn(5)]
     gm = _graph(fn, *inputs)
     want = gm(*inputs)
-    with P.force():
-        assert P.batch_casts(gm) == 3
+    assert P.batch_casts(gm, ON_CPU) == 3
     [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
     assert flat.args[0] == [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert torch.equal(gm(*inputs), want)
 
 
-def test_without_force_cpu_graphs_and_single_casts_are_left_alone():
+def test_cpu_graphs_unless_named_in_on_cpu_and_single_casts_are_left_alone():
     gm = _graph(lambda a, b: a.to(BF16).sum() + b.to(BF16).sum(), torch.randn(3), torch.randn(4))
     assert P.batch_casts(gm) == 0
-    with P.force():
-        lone = _graph(lambda a: a.to(BF16).sum(), torch.randn(3))
-        assert P.batch_casts(lone) == 0
+    lone = _graph(lambda a: a.to(BF16).sum(), torch.randn(3))
+    assert P.batch_casts(lone, ON_CPU) == 0
 
 
 def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
@@ -151,8 +151,8 @@ def test_the_pipeline_runs_it_last_of_the_rewrites_also_on_a_mesh():
 
 
 def _gpt_run(forced: bool, backend: str, accum_steps=1, policy=None):
-    rewrite = P.force() if forced else contextlib.nullcontext()
-    return tiny_gpt_run(rewrite, policy=policy, backend=backend, accum_steps=accum_steps)
+    cpu_passes = {"batch_casts"} if forced else frozenset()
+    return tiny_gpt_run(cpu_passes, policy=policy, backend=backend, accum_steps=accum_steps)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -195,8 +195,7 @@ def test_a_cast_an_fp8_matmul_reads_stays_a_cast():
 
     inputs = [torch.randn(16, 32), torch.randn(16, 32), torch.randn(16), torch.randn(5), torch.randn(3, 4)]
     gm = make_fx(fn, tracing_mode="fake")(*inputs)
-    with P.force():
-        assert P.batch_casts(gm) == 2
+    assert P.batch_casts(gm, ON_CPU) == 2
     [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
     assert [n.name for n in flat.args[0]] == ["a_1", "b_1"]
     [mm] = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
@@ -214,8 +213,7 @@ def test_a_cast_an_all_gather_reads_stays_a_cast():
         return gathered.sum() + b.to(BF16).sum() + c.to(BF16).sum()
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, 8), torch.randn(5), torch.randn(3, 4))
-    with P.force():
-        assert P.batch_casts(gm) == 2
+    assert P.batch_casts(gm, ON_CPU) == 2
     [flat] = [n for n in gm.graph.nodes if n.target is P.CAST_FLAT]
     assert [n.name for n in flat.args[0]] == ["b_1", "c_1"]
     [gather] = [n for n in gm.graph.nodes if n.target is _torch_private.ALL_GATHER]

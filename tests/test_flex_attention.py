@@ -268,23 +268,3 @@ def test_a_hugging_face_model_with_an_outside_block_mask_evaluates_as_eager():
     with torch.no_grad():
         want = model(input_ids=ids, labels=ids).loss  # its own causal mask
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_computed_block_mask_tensors_are_read_through_one_contiguous_copy_each(monkeypatch):
-    """backend/flex_attention.py's candidate fix (off until measured on a GPU), on a CPU graph: each
-    tensor of a mask from the batch read through one ``fsg::contiguous_block_mask``, the graph's
-    result unchanged."""
-    from fsg._src.backend import flex_attention as backend_flex
-
-    monkeypatch.setattr(backend_flex, "CONTIGUOUS_BLOCK_MASKS", True)
-    gm = _mask_from_the_batch_graph()
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    real = [torch.randn(v.shape) if v.is_floating_point() else torch.zeros(v.shape, dtype=v.dtype) for v in inputs]
-    want = gm(*real)
-    computed = {t for _, _, ts in backend_flex.block_masks.block_mask_args(gm) for t in ts if t.op == "call_function"}
-    assert backend_flex.contiguous_block_masks(gm, devices=("cpu",)) == len(computed) > 0
-    for _, _, tensors in backend_flex.block_masks.block_mask_args(gm):
-        assert all(t.target is torch.ops.fsg.contiguous_block_mask.default for t in tensors if t.op == "call_function")
-    torch.testing.assert_close(gm(*real), want)
-    monkeypatch.setattr(backend_flex, "CONTIGUOUS_BLOCK_MASKS", False)
-    assert backend_flex.contiguous_block_masks(gm, devices=("cpu",)) == 0

@@ -6,6 +6,7 @@ real steps of examples/gpt.py's GPT; the numerics against an independent emulati
 dequantize, float32 matmul) and against float32 matmuls within FP8's rounding bound, over
 hypothesis-drawn shapes; and whole training runs against the bf16 step."""
 
+import dataclasses
 import logging
 import math
 import re
@@ -27,7 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fsg
 from fsg._src.errors import UnsupportedError
 from fsg._src.passes import float8 as float8_pass
-from fsg._src.passes import float8_fuse
+from fsg._src.passes.options import Fusions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -85,10 +86,15 @@ def joint(fn, *inputs, grad_of):
     return make_fx(step, tracing_mode="fake")(*inputs)
 
 
-def rewrite(gm, params, config=None):
+def rewrite(gm, params, config=None, fusions=None):
     """The pass on ``gm`` with ``params`` ({input position: name}) as parameters, the loss output 0."""
     plan = float8_pass.Float8Plan(config or fsg.Float8(keep_output_head=False), params, 0)
-    return float8_pass.rewrite(gm, plan)
+    return float8_pass.rewrite(gm, plan, fusions or Fusions())
+
+
+def fusion_off(field: str) -> Fusions:
+    """``Fusions()`` with the float8 fusion ``field`` off (``fp8_producers``: none)."""
+    return Fusions(**{field: frozenset() if field == "fp8_producers" else False})
 
 
 def nodes(gm, target):
@@ -293,14 +299,14 @@ def emulated_rowwise_mm(a, b, out_dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("grad_weight", [None, "compute", "fp8"])
-def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16_unless_asked(grad_weight, caplog, monkeypatch):
-    monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", False)  # the generic casts counted (fused: test_float8_weights.py)
+def test_rowwise_scales_each_row_and_keeps_the_grad_weight_in_bf16_unless_asked(grad_weight, caplog):
     x, w, c = bf16(32, 64), bf16(48, 64, seed=1), bf16(32, 48, seed=2)
     gm = joint(_linear, x, w, c, grad_of=(0, 1))
     fp8_gw = grad_weight == "fp8"
     with caplog.at_level(logging.INFO, logger="fsg"):
         want = "3 of 3 matmuls in FP8" if fp8_gw else "2 of 3 matmuls in FP8"
-        assert rewrite(gm, {1: "w"}, ROWWISE._replace(grad_weight=grad_weight)) == want
+        # the weights' generic casts counted (fused: test_float8_weights.py)
+        assert rewrite(gm, {1: "w"}, ROWWISE._replace(grad_weight=grad_weight), fusion_off("fp8_weights")) == want
     assert fp8_gw != any("keeps the grad-weight" in r.getMessage() for r in caplog.records)
     by_shape = {tuple(n.meta["val"].shape): n for n in nodes(gm, aten._scaled_mm.default)}
     fwd, grad_input = by_shape[(32, 48)], by_shape[(32, 64)]
@@ -408,7 +414,7 @@ def _states_close(a, b, rtol):
         assert float((x.float() - y.float()).abs().max()) <= rtol * float(y.float().abs().max()) + 1e-6, name
 
 
-def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_graph(monkeypatch):
+def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_graph():
     """Under rowwise, the MLP's ``gelu_backward`` feeds the grad-input's FP8 cast (a scale per
     row), the grad-weight (bf16) and the bias gradient (column sums): the pass computes all of
     them in one op (``fsg::gelu_backward_fp8``; a Triton kernel on CUDA, the eager reference
@@ -423,8 +429,7 @@ def test_rowwise_gelu_backward_becomes_one_fused_op_that_equals_the_unfused_grap
     for b in batches:
         fused_state, m = step(fused_state, b)
         fused_losses.append(float(m["loss"]))
-    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
-    step, state = _gpt_step(ROWWISE_POLICY)
+    step, state = _gpt_step(ROWWISE_POLICY, fusions=fusion_off("fp8_producers"))
     assert step.lower(state, batches[0]).as_text().count("aten.gelu_backward.default(") == 2
     plain_losses, plain_state = [], state
     for b in batches:
@@ -442,16 +447,14 @@ def _losses_and_state(step, state, batches):
     return losses, state
 
 
-def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
-    """``FUSE_COLUMN_SUMS`` (on by default, measured faster): every rowwise operand a bias
-    gradient sums (the residual stream's gradient at ``proj`` and ``fc_proj``, ``qkv``'s) is
-    cast with its column sums in one op, and the step is the unfused one."""
-    monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", False)  # which casts those gradients in its own op
+def test_column_sums_fusion_equals_the_unfused_step():
+    """``Fusions.fp8_column_sums`` (on by default): every rowwise operand a bias gradient sums
+    (the residual stream's gradient at ``proj`` and ``fc_proj``, ``qkv``'s) is cast with its
+    column sums in one op, and the step is the unfused one."""
     batches = _gpt_batches(3)
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_SUMS", fuse)
-        step, state = _gpt_step(ROWWISE_POLICY)
+        step, state = _gpt_step(ROWWISE_POLICY, fusions=Fusions(fp8_column_sums=fuse))
         counts = step.lower(state, batches[0]).op_counts()
         # proj's and fc_proj's input gradients (qkv's is the fused concatenation's)
         assert counts.get("fsg.rowwise_fp8", 0) == (4 if fuse else 0) and counts["fsg.gelu_backward_fp8"] == 2
@@ -461,12 +464,12 @@ def test_column_sums_fusion_equals_the_unfused_step(monkeypatch):
 
 
 def _fused_and_unfused(
-    block: Callable[[], nn.Module], width: int, lead: tuple, flag: str = "FUSE_PRODUCERS", grad_weight=None
+    block: Callable[[], nn.Module], width: int, lead: tuple, field: str = "fp8_producers", grad_weight=None
 ) -> list[tuple[float, Any, str]]:
     """One rowwise SGD step of ``Linear(width, width)`` then ``block()`` (same init) with the
-    float8 fusion ``flag`` on, then off: ``(loss, state, lowered graph text)`` each. For the
-    producers' fusion the column-sum fusion is off in both, so the graphs differ by the
-    producers' fusion only (``test_column_sums_fusion_equals_the_unfused_step`` covers it)."""
+    float8 fusion ``field`` of ``Fusions`` on, then off: ``(loss, state, lowered graph text)``
+    each. For the producers' fusion the column-sum fusion is off in both, so the graphs differ
+    by the producers' fusion only (``test_column_sums_fusion_equals_the_unfused_step`` covers it)."""
     config = fsg.Float8(recipe="rowwise", keep_output_head=False, grad_weight=grad_weight)
     policy = fsg.Policy(compute=torch.bfloat16, matmul=config)
     runs = []
@@ -477,29 +480,26 @@ def _fused_and_unfused(
         def loss_fn(params, batch):
             return (fsg.apply(model, params, batch["x"]).float() ** 2).mean()
 
-        previous = float8_fuse.FUSE_COLUMN_SUMS, getattr(float8_fuse, flag)
-        float8_fuse.FUSE_COLUMN_SUMS = float8_fuse.FUSE_COLUMN_SUMS and flag != "FUSE_PRODUCERS"
-        setattr(float8_fuse, flag, fuse)
-        try:
-            step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager")
-            state = step.init(fsg.params(model))
-            x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
-            text = step.lower(state, {"x": x}).as_text()
-            state, m = step(state, {"x": x})
-        finally:
-            float8_fuse.FUSE_COLUMN_SUMS = previous[0]
-            setattr(float8_fuse, flag, previous[1])
+        fusions = Fusions() if fuse else fusion_off(field)
+        if field == "fp8_producers":
+            fusions = dataclasses.replace(fusions, fp8_column_sums=False)
+        step = fsg.compile_step(
+            loss_fn, optimizer=fsg.optim.sgd(0.1), precision=policy, backend="eager", fusions=fusions
+        )
+        state = step.init(fsg.params(model))
+        x = torch.randn(*lead, width, generator=torch.Generator().manual_seed(1))
+        text = step.lower(state, {"x": x}).as_text()
+        state, m = step(state, {"x": x})
         runs.append((float(m["loss"]), state, text))
     return runs
 
 
-def _inductor_losses(monkeypatch, flag: str, model: Callable[[], nn.Module], op: str, steps: int = 3):
-    """Three rowwise SGD steps of ``model()`` (seeded) under Inductor on CPU with ``float8_fuse``'s
-    ``flag`` on, then off: ``{fuse: losses}``; the lowered graph holds ``fsg::<op>`` once with
-    the flag, never without."""
+def _inductor_losses(field: str, model: Callable[[], nn.Module], op: str, steps: int = 3):
+    """Three rowwise SGD steps of ``model()`` (seeded) under Inductor on CPU with the float8
+    fusion ``field`` of ``Fusions`` on, then off: ``{fuse: losses}``; the lowered graph holds
+    ``fsg::<op>`` once with the fusion, never without."""
     losses = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, flag, fuse)
         torch.manual_seed(0)
         net = model()
         policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", keep_output_head=False))
@@ -508,6 +508,7 @@ def _inductor_losses(monkeypatch, flag: str, model: Callable[[], nn.Module], op:
             optimizer=fsg.optim.sgd(0.1),
             precision=policy,
             backend="inductor",
+            fusions=Fusions() if fuse else fusion_off(field),
         )
         state = step.init(fsg.params(net))
         x = {"x": torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))}
@@ -594,76 +595,21 @@ def test_fused_concatenation_step_equals_the_unfused_step(pieces, heads, bias, l
     _states_close(fused, plain, 1e-2)
 
 
-GRAD_WEIGHT_POLICY = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", grad_weight="fp8"))
-
-
 def _states_equal(a, b):
     for (name, x), y in zip(a.params.items(), b.params.values()):
         assert torch.equal(x, y), name
 
 
-def test_column_amax_fusion_serves_the_transposed_casts_and_changes_no_bit(monkeypatch):
-    """``Float8(recipe="rowwise", grad_weight="fp8")``: each grad-weight reads ``dY`` and ``X``
-    through transposed casts scaled per column. Where a fused op casts the tensor (the GELU, its
-    gradient, the qkv gradient's concatenation, the residual stream's gradient at both output
-    projections) it returns the column maxima too: 5 of a block's 8 transposed casts need no
-    column reduction of their own, and the step is the unfused one bit for bit (the maxima are
-    the same numbers). Off by default: measured slower on the H200 (RESULTS.md)."""
-    monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", False)  # the 5 ops counted: the cast kernels' own
-    monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", False)
-    monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", False)  # (the weights' transposed casts counted too)
-    batches = _gpt_batches(3)
-    runs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_AMAX", fuse)
-        step, state = _gpt_step(GRAD_WEIGHT_POLICY)
-        text = step.lower(state, batches[0]).as_text()
-        fused_ops = [line for line in text.splitlines() if "fp8.default(" in line]
-        assert len(fused_ops) == 5 * GPT_CFG.n_layer and all(f", {fuse})" in line for line in fused_ops)
-        runs[fuse] = (text.count("aten.amax.default("), *_losses_and_state(step, state, batches))
-    assert runs[True][0] == runs[False][0] - 5 * GPT_CFG.n_layer
-    assert runs[True][1] == runs[False][1]
-    _states_equal(runs[True][2], runs[False][2])
-
-
-@settings(max_examples=4, deadline=None)
-@given(
-    st.sampled_from(["mlp", "split"]), st.booleans(), st.sampled_from([(32,), (2, 16)]), st.sampled_from([16, 32])
-)  # fmt: skip
-def test_column_amax_fusion_equals_the_unfused_step_over_blocks(block, bias, lead, width):
-    """Over MLPs (the GELU and its gradient fused) and split projections (their gradient's
-    concatenation), with or without biases: with FP8 grad-weights, the fused column maxima
-    leave the step bit for bit as it was, and each fused op whose tensor a grad-weight reads
-    transposed computes them."""
-    make = {
-        "mlp": lambda: _GeluMLP(width, 2 * width, "tanh", bias, True),
-        "split": lambda: _SplitProjection(width, 3, 2 if len(lead) == 2 else 0, bias),  # heads need [B, T, C]
-    }[block]
-    (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
-        make, width, lead, "FUSE_COLUMN_AMAX", grad_weight="fp8"
-    )
-    asked = [
-        sum(", True)" in line for line in text.splitlines() if "fp8.default(" in line)
-        for text in (fused_text, plain_text)
-    ]
-    assert asked[0] >= (2 if block == "mlp" else 1) and asked[1] == 0
-    assert fused_text.count("aten.amax.default(") < plain_text.count("aten.amax.default(")
-    assert fused_loss == plain_loss
-    _states_equal(fused, plain)
-
-
-def test_layer_norm_fusion_equals_the_unfused_step(monkeypatch):
-    """``FUSE_LAYER_NORMS`` (off by default until measured): each layer norm whose output an FP8
+def test_layer_norm_fusion_equals_the_unfused_step():
+    """``Fusions.fp8_layer_norms`` (on by default): each layer norm whose output an FP8
     matmul reads (a block's ``ln_1`` before ``qkv``, ``ln_2`` before ``fc``; not ``ln_f``, whose
     head stays bf16) becomes ``fsg::layer_norm_fp8``, or ``fsg::add_layer_norm_fp8`` with the
     residual add it normalizes, its backward reads the op's statistics,
     and the step is the unfused one: on CPU the op runs the same aten ops, bit for bit."""
-    monkeypatch.setattr(float8_fuse, "FUSE_NORM_BACKWARDS", False)  # the backwards counted: aten's
     batches = _gpt_batches(3)
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", fuse)
-        step, state = _gpt_step(ROWWISE_POLICY)
+        step, state = _gpt_step(ROWWISE_POLICY, fusions=Fusions(fp8_layer_norms=fuse))
         counts = step.lower(state, batches[0]).op_counts()
         fused = counts.get("fsg.layer_norm_fp8", 0) + counts.get("fsg.add_layer_norm_fp8", 0)
         assert fused == (2 * GPT_CFG.n_layer if fuse else 0)
@@ -710,7 +656,7 @@ def test_layer_norm_fusion_equals_the_unfused_step_over_norms(affine, bias, rere
     over_two = over_two and len(lead) == 2
     width = 32
     (fused_loss, fused, fused_text), (plain_loss, plain, plain_text) = _fused_and_unfused(
-        lambda: _NormThenLinear(width, lead, affine, bias, reread, over_two, residual), width, lead, "FUSE_LAYER_NORMS"
+        lambda: _NormThenLinear(width, lead, affine, bias, reread, over_two, residual), width, lead, "fp8_layer_norms"
     )
     with_add = fused_text.count("fsg.add_layer_norm_fp8.default(")
     assert with_add == (1 if residual == "add" and not over_two else 0)
@@ -786,7 +732,7 @@ def test_an_all_zero_tensor_gets_a_finite_scale():
 GPT_CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
 
 
-def _gpt_step(policy, *, fused_head=True, seed=0):
+def _gpt_step(policy, *, fused_head=True, seed=0, fusions=None):
     torch.manual_seed(seed)
     model = GPT(GPT_CFG)
 
@@ -796,7 +742,9 @@ def _gpt_step(policy, *, fused_head=True, seed=0):
         logits = fsg.apply(model, params, batch["x"])
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
 
-    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.adamw(3e-3), precision=policy, backend="eager")
+    step = fsg.compile_step(
+        loss_fn, optimizer=fsg.optim.adamw(3e-3), precision=policy, backend="eager", fusions=fusions
+    )
     return step, step.init(fsg.params(model))
 
 

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 import fsg
 from fsg._src.errors import ArgumentError
 from fsg._src.passes import float8 as float8_pass
-from fsg._src.passes import float8_cost, float8_fuse
+from fsg._src.passes import float8_cost
+from fsg._src.passes.options import Fusions
 from tests.test_float8 import _gpt_batches, _gpt_step, joint
 
 
@@ -107,14 +108,21 @@ R, D, N = 32, 64, 48  # tokens, the layers' input width, their output width
 
 
 def _graph(first="layer norm"):
-    inputs = bf16(R, D), bf16(R, D, seed=1), bf16(N, D, seed=2), bf16(N, D, seed=3), bf16(R, N, seed=4), bf16(R, N, seed=5)
+    inputs = (
+        bf16(R, D),
+        bf16(R, D, seed=1),
+        bf16(N, D, seed=2),
+        bf16(N, D, seed=3),
+        bf16(R, N, seed=4),
+        bf16(R, N, seed=5),
+    )
     fn = _two_layers if first == "layer norm" else _gated_and_plain
     return joint(fn, *inputs, grad_of=(0, 2, 3)), inputs
 
 
-def _rewrite(gm, filter):
+def _rewrite(gm, filter, fusions=None):
     config = fsg.Float8(recipe="rowwise", filter=filter, keep_output_head=False)
-    return float8_pass.rewrite(gm, float8_pass.Float8Plan(config, {2: "w1", 3: "w2"}, 0))
+    return float8_pass.rewrite(gm, float8_pass.Float8Plan(config, {2: "w1", 3: "w2"}, 0), fusions or Fusions())
 
 
 def model_costs(bandwidth):
@@ -129,7 +137,7 @@ def model_costs(bandwidth):
 @pytest.mark.parametrize("first", ["layer norm", "gated product"])
 @pytest.mark.parametrize("where", ["below both", "between", "above both"])
 def test_a_cast_fused_into_its_producer_is_priced_at_its_write(monkeypatch, caplog, where, first):
-    monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", False)  # the weights' casts unfused, as model_costs prices them
+    unfused_weights = Fusions(fp8_weights=False)  # the weights' casts unfused, as model_costs prices them
     fused_cost, unfused_cost = model_costs(1e9)
     assert fused_cost < unfused_cost
     per_matmul = {"below both": fused_cost / 2 * 0.9, "between": (fused_cost + unfused_cost) / 4,
@@ -137,11 +145,12 @@ def test_a_cast_fused_into_its_producer_is_priced_at_its_write(monkeypatch, capl
     monkeypatch.setattr(float8_cost, "timer_for", lambda device: TableTimer(per_matmul))
     gm, inputs = _graph(first)
     with caplog.at_level(logging.DEBUG, logger="fsg"):
-        summary = _rewrite(gm, "auto")  # rowwise: each layer's forward and grad-input in FP8
+        summary = _rewrite(gm, "auto", unfused_weights)  # rowwise: each layer's forward and grad-input in FP8
     expected = {"below both": 0, "between": 2, "above both": 4}[where]
     assert summary == f"{expected} of 6 matmuls in FP8"
     explicit, _ = _graph(first)
-    _rewrite(explicit, {"below both": lambda n: False, "between": lambda n: n == "w1", "above both": None}[where])
+    filters = {"below both": lambda n: False, "between": lambda n: n == "w1", "above both": None}
+    _rewrite(explicit, filters[where], unfused_weights)
     for got, want in zip(gm(*inputs), explicit(*inputs)):
         assert torch.equal(got, want)  # the same step as the explicit filter's
     stays = {m.group(1) for r in caplog.records if (m := re.search(r"float8: (\S+) stays: its FP8", r.getMessage()))}
@@ -160,17 +169,16 @@ def test_launches_count_for_unfused_casts_only(monkeypatch):
 
 
 @pytest.mark.parametrize("flip", [False, True])
-def test_a_weights_fused_casts_are_priced_as_half_their_op(monkeypatch, flip):
-    """With ``FUSE_WEIGHTS`` each of a weight's two casts costs half of ``fsg::weight_fp8``: two
+def test_a_weights_fused_casts_are_priced_as_half_their_op(flip):
+    """With ``Fusions.fp8_weights`` each of a weight's two casts costs half of ``fsg::weight_fp8``: two
     reads of the weight (bf16 here: a compute-dtype input) and both writes, ``(2 + 1) N D``
     bytes, and one launch; without it the generic cast's ``(3 * 2 + 1) N D`` and two."""
     gm, _ = _graph()
     w1 = [n for n in gm.graph.nodes if n.op == "placeholder"][2]
     timer = TableTimer(0.0, bandwidth=1e9, launch=1e-6)
     for fuse, (nbytes, launches) in ((True, (3, 1)), (False, (7, 2))):
-        monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", fuse)
         want = nbytes * N * D / 1e9 + launches * 1e-6
-        assert float8_cost.cast_cost(w1, flip, True, timer) == pytest.approx(want, rel=1e-12)
+        assert float8_cost.cast_cost(w1, flip, True, timer, Fusions(fp8_weights=fuse)) == pytest.approx(want, rel=1e-12)
 
 
 # --- the real thing, measured on this machine -------------------------------------------------

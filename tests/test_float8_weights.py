@@ -1,5 +1,5 @@
 """The float8 pass's fusion of a weight's two rowwise casts into one op from its float32 master
-(``fsg::weight_fp8``, ``passes/float8_weights.py``, ``FUSE_WEIGHTS``): where it applies, and
+(``fsg::weight_fp8``, ``passes/float8_weights.py``, ``Fusions.fp8_weights``): where it applies, and
 that the step is the unfused one (on CPU the op runs the unfused graph's casts: bit for bit)."""
 
 import pytest
@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsg
-from fsg._src.passes import float8_fuse, float8_weights
+from fsg._src.passes import float8_weights
+from fsg._src.passes.options import Fusions
 from tests.test_float8 import (
     GPT_CFG,
     ROWWISE_POLICY,
@@ -23,7 +24,7 @@ from tests.test_float8 import (
 WEIGHT_FP8 = "fsg.weight_fp8.default("
 
 
-def test_every_weight_of_a_gpt_is_cast_once_from_its_master_and_the_step_is_the_unfused_one(monkeypatch):
+def test_every_weight_of_a_gpt_is_cast_once_from_its_master_and_the_step_is_the_unfused_one():
     """Each of a GPT's block weights (qkv, proj, fc, fc_proj: their grad-inputs all run in FP8)
     gets both casts from one op reading the float32 master; its compute-dtype copy and the
     generic casts' row and column reductions are gone. Losses and parameters (AdamW) equal the
@@ -31,8 +32,7 @@ def test_every_weight_of_a_gpt_is_cast_once_from_its_master_and_the_step_is_the_
     batches = _gpt_batches(3)
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_WEIGHTS", fuse)
-        step, state = _gpt_step(ROWWISE_POLICY)
+        step, state = _gpt_step(ROWWISE_POLICY, fusions=Fusions(fp8_weights=fuse))
         lowered = step.lower(state, batches[0])
         assert lowered.as_text().count(WEIGHT_FP8) == (4 * GPT_CFG.n_layer if fuse else 0)
         runs[fuse] = (lowered.op_counts().get("aten.amax", 0), *_losses_and_state(step, state, batches))
@@ -71,16 +71,12 @@ def _run(widths, bias, tied, params_bf16, grad_weight, dropped, head, fuse):
         optimizer=fsg.optim.sgd(0.1),
         precision=fsg.Policy(compute=torch.bfloat16, matmul=config),
         backend="eager",
+        fusions=Fusions(fp8_weights=fuse),
     )
-    previous = float8_fuse.FUSE_WEIGHTS
-    float8_fuse.FUSE_WEIGHTS = fuse
-    try:
-        state = step.init(fsg.params(model))
-        batches = [{"x": torch.randn(2, 8, widths[0], generator=torch.Generator().manual_seed(i))} for i in range(2)]
-        text = step.lower(state, batches[0]).as_text()
-        losses, state = _losses_and_state(step, state, batches)
-    finally:
-        float8_fuse.FUSE_WEIGHTS = previous
+    state = step.init(fsg.params(model))
+    batches = [{"x": torch.randn(2, 8, widths[0], generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    text = step.lower(state, batches[0]).as_text()
+    losses, state = _losses_and_state(step, state, batches)
     return text, losses, state
 
 
@@ -131,8 +127,8 @@ def test_source_reads_the_master_through_a_plain_cast_only():
 
 
 @pytest.mark.inductor
-def test_the_fused_op_under_inductor_tracks_the_unfused_step(monkeypatch):
+def test_the_fused_op_under_inductor_tracks_the_unfused_step():
     """Under Inductor the op is an opaque node running its reference on CPU, while the unfused
     step's casts are Inductor's own code: the losses agree to Inductor's rounding."""
-    losses = _inductor_losses(monkeypatch, "FUSE_WEIGHTS", lambda: _Stack((32, 64, 32), True, False), "weight_fp8")
+    losses = _inductor_losses("fp8_weights", lambda: _Stack((32, 64, 32), True, False), "weight_fp8")
     assert max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False])) < 1e-2, losses

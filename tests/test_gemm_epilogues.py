@@ -6,8 +6,6 @@ the original did: the rewrite is checked bit for bit on traced MLP graphs over d
 on whole GPT steps, and every case the pass must leave alone is checked to be left alone. The
 cuBLASLt epilogues themselves are checked on the GPU (tests/gpu/test_linear_gelu_cuda.py)."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,7 @@ from fsg._src.kernels import cublaslt
 from fsg._src.kernels import linear_gelu as L
 from fsg._src.passes import gemm_epilogues as P
 from fsg._src.passes import pipeline
+from fsg._src.passes.options import Fusions
 from tests.helpers import tiny_gpt_run
 
 aten = torch.ops.aten
@@ -53,14 +52,8 @@ def _inputs(B, T, D, H, dtype=BF16):
             _randn(D, seed=5, dtype=dtype), _randn(B, T, D, seed=6, dtype=dtype)]  # fmt: skip
 
 
-@contextlib.contextmanager
-def halves(backward: bool = True):
-    """The pass with its backward half on (the default) or off (``FUSE_BACKWARD``)."""
-    old, P.FUSE_BACKWARD = P.FUSE_BACKWARD, backward
-    try:
-        yield
-    finally:
-        P.FUSE_BACKWARD = old
+ON_CPU = Fusions(on_cpu={"gemm_epilogues"})
+FORWARD_ONLY = Fusions(on_cpu={"gemm_epilogues"}, gemm_epilogue_backward=False)
 
 
 def _targets(gm):
@@ -80,8 +73,7 @@ def test_the_rewritten_mlp_computes_exactly_what_it_did(B, T, D, H):
     inputs = _inputs(B, T, D, H)
     gm = make_fx(_mlp_joint())(*inputs)
     want = gm(*inputs)
-    with P.force(), halves():
-        assert P.gemm_epilogues(gm) == 2
+    assert P.gemm_epilogues(gm, ON_CPU) == 2
     targets = _targets(gm)
     assert targets.count(P.LINEAR_GELU) == 1 and targets.count(P.MM_GELU_BACKWARD) == 1
     assert aten.gelu.default not in targets and aten.gelu_backward.default not in targets
@@ -103,8 +95,7 @@ def test_what_the_epilogues_cannot_take_is_left_alone(case, kwargs, shape, backw
     inputs = _inputs(*shape)
     gm = make_fx(_mlp_joint(**kwargs))(*inputs)
     before, want = gm.code, gm(*inputs)
-    with P.force(), halves():
-        fused = P.gemm_epilogues(gm)
+    fused = P.gemm_epilogues(gm, ON_CPU)
     assert fused == int(backward_fused) and P.LINEAR_GELU not in _targets(gm), case
     assert backward_fused or gm.code == before
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
@@ -115,8 +106,7 @@ def test_a_linear_without_bias_fuses_too():
     inputs = _inputs(2, 8, 16, 32)
     gm = make_fx(_mlp_joint(bias=False))(*inputs)
     want = gm(*inputs)
-    with P.force(), halves():
-        assert P.gemm_epilogues(gm) == 2
+    assert P.gemm_epilogues(gm, ON_CPU) == 2
     op = next(n for n in gm.graph.nodes if n.target is P.LINEAR_GELU)
     assert op.args[2] is None
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(gm(*inputs), want))
@@ -126,21 +116,19 @@ def test_with_the_backward_half_off_only_the_forward_half_is_fused():
     inputs = _inputs(2, 8, 16, 32)
     gm = make_fx(_mlp_joint())(*inputs)
     want = gm(*inputs)
-    with P.force(), halves(backward=False):
-        assert P.gemm_epilogues(gm) == 1
+    assert P.gemm_epilogues(gm, FORWARD_ONLY) == 1
     targets = _targets(gm)
     assert P.LINEAR_GELU in targets and P.MM_GELU_BACKWARD not in targets and aten.gelu_backward.default in targets
     assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
 
 
-def test_float32_and_cpu_graphs_are_left_alone_without_force():
+def test_float32_and_cpu_graphs_unless_named_in_on_cpu_are_left_alone():
     inputs = _inputs(2, 8, 16, 32)
     gm = make_fx(_mlp_joint())(*inputs)
     assert P.gemm_epilogues(gm) == 0  # CPU tensors: the ops would only run the aten ops
     inputs32 = _inputs(2, 8, 16, 32, dtype=torch.float32)
     gm32 = make_fx(_mlp_joint())(*inputs32)
-    with P.force():
-        assert P.gemm_epilogues(gm32) == 0
+    assert P.gemm_epilogues(gm32, ON_CPU) == 0
 
 
 def test_a_grad_input_read_elsewhere_keeps_its_matmul():
@@ -160,8 +148,7 @@ def test_a_grad_input_read_elsewhere_keeps_its_matmul():
     ]
     gm = make_fx(step)(*inputs)
     want = gm(*inputs)
-    with P.force(), halves():
-        assert P.gemm_epilogues(gm) == 1
+    assert P.gemm_epilogues(gm, ON_CPU) == 1
     assert P.MM_GELU_BACKWARD not in _targets(gm)
     assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
 
@@ -177,17 +164,16 @@ def test_the_ops_fake_shapes_match_the_real_ones():
     assert not L.fusable(x, w_t, b)  # CPU: the aten ops
 
 
-def test_the_pipeline_runs_it_after_float8_before_the_bias_gradient_pass_also_on_a_mesh():
+def test_the_pipeline_runs_it_after_float8_before_the_batched_casts_also_on_a_mesh():
     names = [p.name for p in pipeline.order(list(pipeline.PASSES))]
-    assert names.index("float8") < names.index("gemm_epilogues") < names.index("fuse_bias_grads")
+    assert names.index("float8") < names.index("gemm_epilogues") < names.index("batch_casts")
     by_name = {p.name: p for p in pipeline.PASSES}
     assert by_name["gemm_epilogues"].applies(pipeline.Options())
     assert by_name["gemm_epilogues"].applies(pipeline.Options(on_mesh=True))  # tests/dist/test_precision.py
 
 
 def _gpt_run(forced: bool, backward=True):
-    with halves(backward):
-        return tiny_gpt_run(P.force() if forced else contextlib.nullcontext())
+    return tiny_gpt_run({"gemm_epilogues"} if forced else frozenset(), fusions={"gemm_epilogue_backward": backward})
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -7,8 +7,6 @@ over drawn shapes and on whole GPT steps, and every case the pass must leave alo
 to be left alone. cuDNN's packed backward itself is checked on the GPU
 (tests/gpu/test_attention_grads_cuda.py)."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ import fsg
 from fsg._src.kernels import attention_grads as A
 from fsg._src.passes import pack_attention_grads as P
 from fsg._src.passes import pipeline
+from fsg._src.passes.options import Fusions
 from tests.helpers import tiny_gpt_run
 
 BF16 = torch.bfloat16
@@ -60,6 +59,9 @@ def _inputs(B, T, C, dtype=BF16):
             _randn(C, C, seed=3, dtype=dtype, scale=C**-0.5), _randn(B, T, C, seed=4, dtype=dtype)]  # fmt: skip
 
 
+ON_CPU = Fusions(on_cpu={"pack_attention_grads"})
+
+
 def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -74,8 +76,7 @@ def test_the_rewritten_attention_computes_exactly_what_it_did(B, T, H, D, causal
     gm = make_fx(_attention_joint(H, causal))(*inputs)
     want = gm(*inputs)
     assert P.CPU_BACKWARD in _targets(gm) and torch.ops.aten.cat.default in _targets(gm)
-    with P.force():
-        assert P.pack_attention_grads(gm) == 1
+    assert P.pack_attention_grads(gm, ON_CPU) == 1
     targets = _targets(gm)
     assert P.PACKED in targets and P.CPU_BACKWARD not in targets and torch.ops.aten.cat.default not in targets
     assert all(torch.equal(a, b) for a, b in zip(gm(*inputs), want))
@@ -92,8 +93,7 @@ def test_what_the_pass_leaves_alone(case):
     inputs = _inputs(2, 8, 32, torch.float32 if case == "float32" else BF16)
     gm = make_fx(_attention_joint(2, **joint))(*inputs)
     before = _targets(gm)
-    with contextlib.nullcontext() if case == "not forced (CPU)" else P.force():
-        assert P.pack_attention_grads(gm) == 0
+    assert P.pack_attention_grads(gm, Fusions() if case == "not forced (CPU)" else ON_CPU) == 0
     assert _targets(gm) == before
 
 
@@ -124,7 +124,7 @@ def test_the_pipeline_runs_it_first_before_float8_also_on_a_mesh():
 
 
 def _gpt_run(forced: bool, policy=None):
-    return tiny_gpt_run(P.force() if forced else contextlib.nullcontext(), policy=policy)
+    return tiny_gpt_run({"pack_attention_grads"} if forced else frozenset(), policy=policy)
 
 
 def test_a_gpt_step_with_the_op_in_place_equals_the_plain_step():

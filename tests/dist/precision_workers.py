@@ -74,10 +74,8 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
     rank's graph holds and whether three steps left every local parameter bit for bit as the
     plain step did; the rewrite must not change how many collectives of each kind the graph
     issues (its buckets stay packed)."""
-    import contextlib
-    import importlib
+    from fsg._src.passes.options import Fusions
 
-    module = importlib.import_module(f"fsg._src.passes.{rewrite}")
     collectives = tuple(f"_c10d_functional.{op}.default(" for op in ("all_gather_into_tensor", "all_reduce",
                                                                       "reduce_scatter_tensor"))  # fmt: skip
     ops = {"gemm_epilogues": ("fsg.linear_gelu.default(", "fsg.mm_gelu_backward.default("),
@@ -87,12 +85,12 @@ def local_rewrite_keeps_the_step(axes: dict, preset: str, rewrite: str) -> tuple
         model = tiny_gpt()
         step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.adamw(1e-2),
                                 param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp") if "dp" in axes else None,
-                                precision=POLICIES["bf16"], backend="eager")  # fmt: skip
-        with module.force() if forced else contextlib.nullcontext():
-            state = step.init(fsg.params(model))
-            text = step.lower(state, gpt_batches(1)[0]).as_text()
-            for batch in gpt_batches():
-                state, _ = step(state, batch)
+                                precision=POLICIES["bf16"], backend="eager",
+                                fusions=Fusions(on_cpu={rewrite} if forced else frozenset()))  # fmt: skip
+        state = step.init(fsg.params(model))
+        text = step.lower(state, gpt_batches(1)[0]).as_text()
+        for batch in gpt_batches():
+            state, _ = step(state, batch)
         local = [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]
         runs.append(({op: text.count(op) for op in ops}, local))
     (plain_counts, plain), (counts, rewritten) = runs
@@ -217,25 +215,28 @@ def float8_auto_agrees_across_ranks(axes: dict, policy: str) -> tuple[int, list[
 
 
 def weight_fusion_keeps_the_step(axes: dict, preset: str) -> tuple[int, bool]:
-    """The tiny GPT's rowwise FP8 step on the mesh with ``FUSE_WEIGHTS`` on against off: how
-    many ``fsg::weight_fp8`` the rank's graph holds, and whether three steps left every local
-    parameter bit for bit as the unfused step did (the op runs the unfused casts on CPU)."""
-    from fsg._src.passes import float8_fuse
+    """The tiny GPT's rowwise FP8 step on the mesh with ``Fusions.fp8_weights`` on against off:
+    how many ``fsg::weight_fp8`` the rank's graph holds, and whether three steps left every
+    local parameter bit for bit as the unfused step did (the op runs the unfused casts on CPU)."""
+    from fsg._src.passes.options import Fusions
 
     runs = []
     for fuse in (False, True):
-        previous, float8_fuse.FUSE_WEIGHTS = float8_fuse.FUSE_WEIGHTS, fuse
-        try:
-            model = tiny_gpt()
-            step = fsg.compile_step(gpt_loss(model), fsg.testing.mesh(axes), optimizer=fsg.optim.sgd(0.1),
-                                    param_sharding=preset_rules(preset), batch_sharding=fsg.P("dp"),
-                                    precision=ROWWISE, backend="eager")  # fmt: skip
-            state = step.init(fsg.params(model))
-            count = step.lower(state, gpt_batches(1)[0]).as_text().count("fsg.weight_fp8.default(")
-            for batch in gpt_batches():
-                state, _ = step(state, batch)
-        finally:
-            float8_fuse.FUSE_WEIGHTS = previous
+        model = tiny_gpt()
+        step = fsg.compile_step(
+            gpt_loss(model),
+            fsg.testing.mesh(axes),
+            optimizer=fsg.optim.sgd(0.1),
+            param_sharding=preset_rules(preset),
+            batch_sharding=fsg.P("dp"),
+            precision=ROWWISE,
+            backend="eager",
+            fusions=Fusions(fp8_weights=fuse),
+        )
+        state = step.init(fsg.params(model))
+        count = step.lower(state, gpt_batches(1)[0]).as_text().count("fsg.weight_fp8.default(")
+        for batch in gpt_batches():
+            state, _ = step(state, batch)
         runs.append((count, [p.to_local() if hasattr(p, "to_local") else p for p in state.params.values()]))
     (_, plain), (count, fused) = runs
     return count, all(torch.equal(a, b) for a, b in zip(plain, fused))

@@ -83,7 +83,7 @@ def test_batch_casts_on_a_mesh_keep_the_step(ranks, preset, axes):
 
 @pytest.mark.parametrize("preset", ["dp", "fsdp"])
 def test_weight_fusion_on_a_mesh_keeps_the_step(ranks, preset):
-    """``FUSE_WEIGHTS`` is local to a rank's graph: under data parallel each block weight's two
+    """``Fusions.fp8_weights`` is local to a rank's graph: under data parallel each block weight's two
     FP8 casts come from one op reading the replicated float32 master; under FSDP from the
     gathered bf16 weight (the wait of its all-gather: nothing to round). Every step equals the
     unfused one bit for bit."""

@@ -11,7 +11,7 @@ import torch
 
 import fsg
 from fsg._src.kernels import attention_grads as A
-from fsg._src.passes import pack_attention_grads as P
+from fsg._src.passes.options import Fusions
 from tests.helpers import gpt_bf16_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -97,11 +97,8 @@ def test_a_problem_first_met_inside_a_capture_takes_the_aten_backward_there():
 def _gpt_steps(enabled: bool, steps: int = 5, matmul=None):
     config = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
     x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))
-    P.ENABLED = enabled
-    try:
-        text, losses, _ = gpt_bf16_steps(config, [x] * steps, "cuda", fsg.Policy(compute=torch.bfloat16, matmul=matmul))
-    finally:
-        P.ENABLED = True
+    policy = fsg.Policy(compute=torch.bfloat16, matmul=matmul)
+    text, losses, _ = gpt_bf16_steps(config, [x] * steps, "cuda", policy, fusions=Fusions(pack_attention_grads=enabled))
     return text, losses
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from fsg._src.backend import column_sums as CS
 from fsg._src.kernels import column_sum as K
+from fsg._src.passes.options import Fusions
 from tests.helpers import gpt_bf16_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,7 +37,7 @@ def test_inductor_code_calls_the_kernel_for_a_layer_norm_backward():
         return torch.autograd.grad(F.layer_norm(x, (768,), w, b), (x, w, b), dy)
 
     torch._dynamo.reset()
-    with CS.final_sums_as_kernels():
+    with CS.final_sums_as_kernels(Fusions()):
         got, codes = run_and_get_code(torch.compile(grads), x, w, b, dy)
     assert any("fsg_column_sum(" in code for code in codes), "no mix-order reduction was rewritten"
     for g, e in zip(got, grads(x, w, b, dy)):
@@ -47,11 +48,10 @@ def _gpt_losses(enabled: bool, monkeypatch) -> tuple[list[float], int]:
     calls = []
     real = K.column_sum
     monkeypatch.setattr(K, "column_sum", lambda x: calls.append(x.shape) or real(x))  # counts the wrapper's calls
-    monkeypatch.setattr(CS, "ENABLED", enabled)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 512, (8, 1025), generator=g) for _ in range(4)]  # 8192 x 768: past the size Inductor fuses at
     config = dict(vocab_size=512, block_size=1024, n_layer=2, n_head=12, n_embd=768)
-    return gpt_bf16_steps(config, rows, "cuda")[1], len(calls)
+    return gpt_bf16_steps(config, rows, "cuda", fusions=Fusions(column_sums=enabled))[1], len(calls)
 
 
 def test_a_gpt_step_with_and_without_the_rewrite(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fsg._src.backend import column_sums as CS
+from fsg._src.passes.options import Fusions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,17 +28,16 @@ def _norm_grads_into_a_cat(dy, x, mean, rstd, w, b, *others):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["fsg-kernel", "inductor-sum"])
-def test_the_sums_land_in_the_cat(monkeypatch, kernel):
+def test_the_sums_land_in_the_cat(kernel):
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(CS, "ENABLED", kernel)
     g = torch.Generator(device="cuda").manual_seed(0)
     dy, x = (torch.randn(ROWS, C, device="cuda", generator=g) for _ in range(2))
     w, b = torch.randn(C, device="cuda", generator=g) + 1, torch.randn(C, device="cuda", generator=g)
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [C], w, b, 1e-5)
     args = [dy, x, mean, rstd, w, b, *(torch.randn(64, 96, device="cuda", generator=g) for _ in range(9))]
     torch._dynamo.reset()
-    with CS.final_sums_as_kernels(), torch._inductor.config.patch(force_disable_caches=True):
+    with CS.final_sums_as_kernels(Fusions(column_sums=kernel)), torch._inductor.config.patch(force_disable_caches=True):
         got, codes = run_and_get_code(torch.compile(_norm_grads_into_a_cat), *args)
     into = re.compile(r"fsg_column_sum\(workspace.*, out=buf\d+\)" if kernel else r"buf\d+\.copy_\(workspace")
     assert any(into.search(code) for code in codes), (

@@ -59,33 +59,22 @@ def test_flex_attention_steps_as_eager(backend, mask):
     _sgd_step_matches_eager(loss_fn, init, torch.randn(2, 256, 64, device="cuda"), backend)  # slopes: read by ALiBi only
 
 
-OFF_BY_8E4 = "the loss 4.6274 against eager's 4.6312 on an H100, 2026-12-06: refused (REFUSE_PER_SEQUENCE)"
+OFF_BY_8E4 = "the loss 4.6274 against eager's 4.6312 on an H100, 2026-12-06"
 
 
-@pytest.mark.parametrize(
-    "mask", ["own", "outside", pytest.param("outside_per_sequence", marks=pytest.mark.xfail(strict=False, reason=OFF_BY_8E4))]
-)
-def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask, monkeypatch):
+@pytest.mark.parametrize("mask", ["own", "outside"])
+def test_a_hugging_face_model_with_flex_attention_trains_as_eager(mask):
     """``own``: the model builds its causal mask in each forward, which fsg computes once when
     it traces the step (trace/block_masks.py); ``outside``: the causal BlockMask passed as
-    the model's ``attention_mask``; ``outside_per_sequence``: a mask per sequence (packed
-    documents, split differently in each), with its refusal off. The reference is the model's
-    eager call."""
+    the model's ``attention_mask`` (a mask per sequence is refused: below). The reference is
+    the model's eager call."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    from fsg._src.backend import flex_attention as backend_flex
-
-    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
 
     model = flex_llama(256).cuda()
     ids = torch.randint(0, 100, (2, 128), device="cuda")
     kwargs = {}
     if mask == "outside":
         kwargs["attention_mask"] = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 128, 128, device="cuda")
-    if mask == "outside_per_sequence":
-        document = torch.stack([torch.arange(128, device="cuda") // 48, torch.arange(128, device="cuda") // 80])
-        keep = lambda b, h, q, kv: (q >= kv) & (document[b, q] == document[b, kv])  # noqa: E731
-        kwargs["attention_mask"] = create_block_mask(keep, 2, None, 128, 128, device="cuda")
 
     def loss_fn(params, ids):
         return fsg.apply(model, params, input_ids=ids, labels=ids, **kwargs).loss
@@ -123,47 +112,6 @@ def test_a_block_mask_from_the_batch_is_refused_under_inductor():
     with pytest.raises(fsg.UnsupportedError, match="BlockMask built inside the step from its inputs"):
         step(step.init(init), x)
     _sgd_step_matches_eager(loss_fn, init, x, backend="aot_eager")
-
-
-LOWERING = pytest.mark.xfail(strict=False, reason='Inductor\'s lowering failed on an H100, 2026-12-06: "convert FlexibleLayout to FixedLayout first"')
-
-
-@pytest.mark.parametrize(
-    "where",
-    ["outside_per_sequence", pytest.param("inside_shared", marks=LOWERING), pytest.param("inside_per_sequence", marks=LOWERING)],
-)
-def test_each_refused_block_mask_condition_alone(monkeypatch, where):
-    """The Hugging Face mask measured wrong was built inside the step and per sequence. Each
-    alone, with the refusals off. On an H100 (2026-12-06) ``outside_per_sequence`` passed twice
-    (yet a Hugging Face model with one did not: below, so it is refused again);
-    ``inside_shared`` failed inside Inductor first on the ``lengths[0]`` constant of its mask
-    function (made an op since: trace/subgraph_constants.py), then in the lowering, as
-    ``inside_per_sequence`` did."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from fsg._src.backend import flex_attention as backend_flex
-
-    monkeypatch.setattr(backend_flex, "REFUSE_BUILT_IN_GRAPH", False)
-    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 192).cuda()
-    per_sequence = where.endswith("per_sequence")
-
-    def mask(x):  # inside: from the batch's values (not foldable): the lengths 256 and 100 all the same
-        lengths = torch.tensor([256, 100], device="cuda")
-        if where.startswith("inside"):
-            lengths = lengths + (x[:, :, 0] < -1e4).sum(1)  # + 0
-        keep = (lambda b, h, q, kv: (q >= kv) & (kv < lengths[b])) if per_sequence else (
-            lambda b, h, q, kv: (q >= kv) & (kv < lengths[0]))  # fmt: skip
-        return create_block_mask(keep, 2 if per_sequence else None, None, 256, 256, device="cuda")
-
-    outside = None if where.startswith("inside") else mask(None)
-
-    def loss_fn(params, x):
-        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        return flex_attention(q, k, v, block_mask=outside if outside is not None else mask(x)).square().mean()
-
-    _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
 
 
 def test_a_block_mask_per_sequence_from_outside_is_refused_under_inductor():
@@ -205,57 +153,15 @@ def test_scalar_constants_in_the_mask_and_score_functions_train_as_eager():
     _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
 
 
-@pytest.mark.parametrize(
-    "where", ["hf_own_unfolded", pytest.param("inside_per_sequence", marks=LOWERING), pytest.param("from_the_batch", marks=LOWERING)]
-)
-def test_block_masks_computed_in_the_step_train_as_eager_with_contiguous_copies(monkeypatch, where):
-    """``CONTIGUOUS_BLOCK_MASKS`` (backend/flex_attention.py, off): the candidate fix of the wrong
-    gradients with a mask computed in the step (Inductor's templates index the mask's tensors as
-    contiguous, asking only a unit last stride). On an H100 (2026-12-06) the Hugging Face
-    model's own mask left in the step trained as eager with it (wrong gradients without), and
-    the masks per sequence from the batch failed in Inductor's lowering: the flag stays off."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from fsg._src.backend import flex_attention as backend_flex
-    from fsg._src.trace import block_masks
-
-    monkeypatch.setattr(backend_flex, "CONTIGUOUS_BLOCK_MASKS", True)
-    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
-    if where == "hf_own_unfolded":  # the failing case: the model's causal mask left in the step
-        monkeypatch.setattr(block_masks, "fold", lambda gm: 0)
-        model = flex_llama(256).cuda()
-        init = {k: v.detach() for k, v in fsg.params(model).items()}
-        ids = torch.randint(0, 100, (2, 128), device="cuda")
-        _sgd_step_matches_eager(lambda p, ids: fsg.apply(model, p, input_ids=ids, labels=ids).loss, init, ids)
-        return
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 192).cuda()
-
-    def loss_fn(params, x):
-        lengths = (x[:, :, 0] > -1e4).sum(1) - torch.arange(2, device="cuda") * 156  # 256 and 100
-        if where == "from_the_batch":
-            lengths = (x[:, :, 0] > 0).sum(1) + 8
-        mask = create_block_mask(lambda b, h, q, kv: (q >= kv) & (kv < lengths[b]), 2, None, 256, 256, device="cuda")
-        q, k, v = torch.func.functional_call(lin, params, (x,)).view(2, 256, 3, 4, 16).permute(2, 0, 3, 1, 4)
-        return flex_attention(q, k, v, block_mask=mask).square().mean()
-
-    _sgd_step_matches_eager(loss_fn, {k: v.detach() for k, v in lin.named_parameters()}, torch.randn(2, 256, 64, device="cuda"))
-
-
-@pytest.mark.parametrize(
-    "how", ["model_on_cuda", "aot_eager", pytest.param("inductor", marks=pytest.mark.xfail(strict=False, reason=OFF_BY_8E4))]
-)
-def test_a_per_sequence_mask_loss_against_the_cpu_model(how, monkeypatch):
-    """Which of the two CUDA paths is off for the Hugging Face model with a per-sequence
-    document mask (``OFF_BY_8E4``): its first loss on CUDA (the model's own call, which runs
-    transformers' compiled FlexAttention; fsg's step under ``aot_eager``; under Inductor, the
-    refusal off) against the same model's loss on CPU (the math reference, which fsg's CPU
-    evaluation equals: tests/test_flex_attention.py)."""
+@pytest.mark.parametrize("how", ["model_on_cuda", "aot_eager"])
+def test_a_per_sequence_mask_loss_against_the_cpu_model(how):
+    """The Hugging Face model with a per-sequence document mask, on the paths that run it
+    (Inductor refuses it: ``OFF_BY_8E4``): its first loss on CUDA (the model's own call, which
+    runs transformers' compiled FlexAttention; fsg's step under ``aot_eager``) against the same
+    model's loss on CPU (the math reference, which fsg's CPU evaluation equals:
+    tests/test_flex_attention.py)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from fsg._src.backend import flex_attention as backend_flex
-
-    monkeypatch.setattr(backend_flex, "REFUSE_PER_SEQUENCE", False)
     ids = torch.randint(0, 100, (2, 128), generator=torch.Generator().manual_seed(1))
 
     def setup(device):

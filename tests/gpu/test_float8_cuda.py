@@ -54,7 +54,7 @@ def assert_fp8_cast(q, rows, inv):
     assert bool(((q.float() - want).abs() <= want.abs() * 2**-3 + 2**-9).all())  # one step: 3 mantissa bits
 
 
-def _gpt(policy, backend="inductor"):
+def _gpt(policy, backend="inductor", fusions=None):
     torch.manual_seed(0)
     model = GPT(GPT_CFG).cuda()
     step = fsg.compile_step(
@@ -62,6 +62,7 @@ def _gpt(policy, backend="inductor"):
         optimizer=fsg.optim.adamw(3e-3),
         precision=policy,
         backend=backend,
+        fusions=fusions,
     )
     return step, step.init(fsg.params(model))
 
@@ -70,18 +71,17 @@ def _cuda(batches):
     return [{k: v.cuda() for k, v in b.items()} for b in batches]
 
 
-def fused_and_unfused_losses(monkeypatch, flag: str, op: str, count: int, steps: int = 6) -> dict[bool, list[float]]:
-    """The rowwise GPT step's losses under Inductor and graph replay with ``float8_fuse``'s
-    ``flag`` on, then off; the lowered graph holds ``fsg::<op>`` ``count`` times with it, never
-    without."""
-    from fsg._src.passes import float8_fuse
+def fused_and_unfused_losses(field: str, op: str, count: int, steps: int = 6) -> dict[bool, list[float]]:
+    """The rowwise GPT step's losses under Inductor and graph replay with the float8 fusion
+    ``field`` of ``Fusions`` on, then off; the lowered graph holds ``fsg::<op>`` ``count`` times
+    with it, never without."""
+    from fsg._src.passes.options import Fusions
 
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = _cuda(_gpt_batches(steps))
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, flag, fuse)
-        step, state = _gpt(policy)
+        step, state = _gpt(policy, fusions=Fusions(**{field: fuse}))
         assert step.lower(state, batches[0]).as_text().count(f"fsg.{op}.default(") == (count if fuse else 0)
         runs[fuse] = []
         for b in batches:
@@ -222,20 +222,19 @@ def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approxima
 
 
 @needs_fp8
-def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypatch):
+def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step():
     """Inductor + graph replay: the step with ``fsg::gelu_backward_fp8`` tracks the one whose
     casts the pass builds op by op (Inductor's kernels) to rounding."""
-    from fsg._src.passes import float8_fuse, pack_attention_grads
+    from fsg._src.passes.options import Fusions
 
-    # the concatenation this test fuses is there only when attention's backward does not write
-    # the packed qkv gradient itself (tests/gpu/test_attention_grads_cuda.py covers that case)
-    monkeypatch.setattr(pack_attention_grads, "ENABLED", False)
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = _cuda(_gpt_batches(6))
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", fuse)
-        step, state = _gpt(policy)
+        # the concatenation this test fuses is there only when attention's backward does not write
+        # the packed qkv gradient itself (tests/gpu/test_attention_grads_cuda.py covers that case)
+        producers = Fusions().fp8_producers if fuse else frozenset()
+        step, state = _gpt(policy, fusions=Fusions(pack_attention_grads=False, fp8_producers=producers))
         text = step.lower(state, batches[0]).as_text()
         for op in ("gelu_backward_fp8", "gelu_fp8", "cat_rowwise_fp8"):
             assert text.count(f"fsg.{op}.default(") == (2 if fuse else 0), op
@@ -244,26 +243,6 @@ def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step(monkeypa
             state, m = step(state, b)
             runs[fuse].append(float(m["loss"]))
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs
-
-
-@needs_fp8
-def test_grad_weight_step_with_fused_column_maxima_equals_the_unfused_step(monkeypatch):
-    """Inductor + graph replay, FP8 grad-weights: the transposed casts scaled by the fused ops'
-    column maxima track the step whose maxima Inductor reduces (the same numbers: the two
-    differ only where Inductor fuses the rest of the graph differently)."""
-    from fsg._src.passes import float8_fuse
-
-    policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise", grad_weight="fp8"))
-    batches = _cuda(_gpt_batches(6))
-    runs = {}
-    for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_COLUMN_AMAX", fuse)
-        step, state = _gpt(policy)
-        runs[fuse] = []
-        for b in batches:
-            state, m = step(state, b)
-            runs[fuse].append(float(m["loss"]))
-    assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 5e-3, runs
 
 
 @pytest.mark.parametrize("shape", [(16, 1024, 1024), (3, 100, 200), (2048, 3072), (5000, 2048)])
@@ -364,19 +343,17 @@ def test_add_layer_norm_fp8_writes_the_bf16_sum_and_normalizes_it(shape):
 
 
 @needs_fp8
-def test_rowwise_gpt_step_with_fused_layer_norms_equals_the_unfused_step(monkeypatch):
+def test_rowwise_gpt_step_with_fused_layer_norms_equals_the_unfused_step():
     """Inductor + graph replay: the step whose layer norms cast their outputs in
     ``fsg::layer_norm_fp8`` (and ``fsg::add_layer_norm_fp8``, the residual add inside) tracks
     the one where Inductor fuses those casts itself."""
-    from fsg._src.passes import float8_fuse
+    from fsg._src.passes.options import Fusions
 
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = _cuda(_gpt_batches(6))
     runs = {}
     for fuse, adds in ((True, True), (True, False), (False, False)):
-        monkeypatch.setattr(float8_fuse, "FUSE_LAYER_NORMS", fuse)
-        monkeypatch.setattr(float8_fuse, "FUSE_RESIDUAL_ADDS", adds)
-        step, state = _gpt(policy)
+        step, state = _gpt(policy, fusions=Fusions(fp8_layer_norms=fuse, fp8_residual_adds=adds))
         text = step.lower(state, batches[0]).as_text()
         with_add = text.count("fsg.add_layer_norm_fp8.default(")
         assert with_add == (2 * GPT_CFG.n_layer - 1 if adds else 0)

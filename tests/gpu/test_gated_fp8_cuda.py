@@ -64,22 +64,22 @@ class _Block(nn.Module):
 
 @needs_fp8
 @pytest.mark.parametrize("act", [F.silu, lambda v: F.gelu(v, approximate="tanh")], ids=["silu", "gelu_tanh"])
-def test_gated_mlp_step_under_inductor_equals_the_unfused_step(monkeypatch, act):
+def test_gated_mlp_step_under_inductor_equals_the_unfused_step(act):
     """Inductor + graph replay, two blocks and a head: the step with the fused gated casts
     tracks the one whose casts Inductor builds op by op, and learns."""
-    from fsg._src.passes import float8_fuse
+    from fsg._src.passes.options import Fusions
 
     policy = fsg.Policy(compute=torch.bfloat16, matmul=fsg.Float8(recipe="rowwise"))
     batches = [{"x": _bf16((4, 256, 256), 1.0, 10 + i).float(), "y": _bf16((4, 256, 256), 1.0, 20 + i).float()}
                for i in range(6)]  # fmt: skip
     runs = {}
     for fuse in (True, False):
-        monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", fuse)
         torch.manual_seed(0)
         model = nn.Sequential(_Block(256, 704, act), _Block(256, 704, act), nn.Linear(256, 256)).cuda()
         step = fsg.compile_step(
             lambda p, b: F.mse_loss(fsg.apply(model, p, b["x"]).float(), b["y"]),
             optimizer=fsg.optim.adamw(1e-3), precision=policy, backend="inductor",
+            fusions=Fusions() if fuse else Fusions(fp8_producers=frozenset()),
         )  # fmt: skip
         state = step.init(fsg.params(model))
         counts = step.lower(state, batches[0]).op_counts()

@@ -1,6 +1,6 @@
 """``fsg::weight_fp8`` on CUDA (skipped without a GPU): a weight's two rowwise FP8 casts from its
 float32 master against the unfused graph's casts of its bf16 copy, and a GPT step with the
-fusion under Inductor and graph replay against the step without it (``FUSE_WEIGHTS``)."""
+fusion under Inductor and graph replay against the step without it (``Fusions.fp8_weights``)."""
 
 import pytest
 import torch
@@ -38,9 +38,9 @@ def test_the_kernel_is_the_unfused_casts(shape, round_to):
 
 
 @needs_fp8
-def test_rowwise_gpt_step_with_fused_weight_casts_equals_the_unfused_step(monkeypatch):
+def test_rowwise_gpt_step_with_fused_weight_casts_equals_the_unfused_step():
     """Inductor + graph replay: the step whose block weights are cast by ``fsg::weight_fp8``
     from the float32 masters gives the unfused step's losses (the casts are the same bytes;
     Inductor's own code around them may round its sums differently)."""
-    runs = fused_and_unfused_losses(monkeypatch, "FUSE_WEIGHTS", "weight_fp8", 4 * GPT_CFG.n_layer)
+    runs = fused_and_unfused_losses("fp8_weights", "weight_fp8", 4 * GPT_CFG.n_layer)
     assert max(abs(a - b) for a, b in zip(runs[True], runs[False])) < 0.02, runs

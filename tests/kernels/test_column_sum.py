@@ -11,6 +11,7 @@ import fsg
 from fsg._src import _torch_private
 from fsg._src.backend import column_sums as CS
 from fsg._src.kernels import column_sum as K
+from fsg._src.passes.options import Fusions
 from tests.kernels.common import KERNEL, needs_triton
 
 
@@ -101,24 +102,23 @@ def test_other_lines_are_left_alone(line):
     assert CS.rewrite(line, wrapper) == line and wrapper.imports.lines == []
 
 
-def test_the_context_patches_and_restores(monkeypatch):
-    """Inside: the rewrite sits in Inductor's wrapper codegen and the cache-key tag is fsg's
-    (added to a user's own); outside, both are as they were. Disabled: the rewrite still
-    corrects the sums' destinations, under a tag of its own."""
+def test_the_context_patches_and_restores():
+    """Inside: the rewrite sits in Inductor's wrapper codegen and the cache-key tag is fsg's,
+    with the step's fusions (added to a user's own); outside, both are as they were. The kernel
+    off: the rewrite still corrects the sums' destinations, under a tag of its own."""
     from torch._inductor.codegen.wrapper import PythonWrapperCodegen
 
     original = PythonWrapperCodegen.writeline
+    tags = set()
     with torch.compiler.config.patch(cache_key_tag="mine"):  # (monkeypatch would delete the option after)
-        with CS.final_sums_as_kernels():
-            assert PythonWrapperCodegen.writeline is not original
-            assert torch.compiler.config.cache_key_tag == f"mine+{CS.CACHE_TAG}"
-        assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
-        monkeypatch.setattr(CS, "ENABLED", False)  # Inductor's sums, still written into their slices
-        with CS.final_sums_as_kernels():
-            assert PythonWrapperCodegen.writeline is not original
-            assert torch.compiler.config.cache_key_tag == f"mine+{CS.FIX_TAG}"
-        assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
-    assert torch.compiler.config.cache_key_tag == ""
+        for fusions, tag in ((Fusions(), CS.CACHE_TAG), (Fusions(batch_casts=False), CS.CACHE_TAG),
+                             (Fusions(column_sums=False), CS.FIX_TAG)):  # fmt: skip
+            with CS.final_sums_as_kernels(fusions):
+                assert PythonWrapperCodegen.writeline is not original
+                assert torch.compiler.config.cache_key_tag == f"mine+{tag}+{fusions.tag()}"
+                tags.add(torch.compiler.config.cache_key_tag)
+            assert PythonWrapperCodegen.writeline is original and torch.compiler.config.cache_key_tag == "mine"
+    assert torch.compiler.config.cache_key_tag == "" and len(tags) == 3  # other fusions: another cache entry
 
 
 def test_wrapper_lines_rewritten_restores_on_error():
@@ -143,8 +143,7 @@ def test_a_sum_into_a_slice_of_a_cat_is_written_there(buf, op, kernel, tail):
     wrapper = _Wrapper()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: asked.append(wrapper) or "alias")
-        patch.setattr(CS, "ENABLED", kernel)
-        got = CS.rewrite(f"  {buf} = {operand}.{op}(dim=0){tail}", wrapper)
+        got = CS.rewrite(f"  {buf} = {operand}.{op}(dim=0){tail}", wrapper, kernel)
     if kernel and op == "sum":
         assert got == f"  fsg_column_sum({operand}, out={buf})"
     else:
@@ -193,8 +192,7 @@ def test_the_rewritten_line_fills_the_slice_when_run(n, c, idx, op, kernel, dtyp
     tail = "" if dtype == torch.float32 else ".to(torch.bfloat16)"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_torch_private, "buffer_storage", lambda name, wrapper=None: "alias")
-        patch.setattr(CS, "ENABLED", kernel)
-        line = CS.rewrite(f"buf3 = {partials}.{op}(dim=0){tail}", _Wrapper())
+        line = CS.rewrite(f"buf3 = {partials}.{op}(dim=0){tail}", _Wrapper(), kernel)
     scope = {"workspace_0": ws, "buf3": base[4 : 4 + c], "fsg_column_sum": K.column_sum, "torch": torch}
     exec(line, scope)  # noqa: S102 - the wrapper code under test
     want = getattr(ws[idx * n * c : (idx + 1) * n * c].view(n, c), op)(dim=0).to(dtype)

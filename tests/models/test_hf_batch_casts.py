@@ -3,13 +3,11 @@ family of the Hugging Face corpus (tests/models/hf_models.py), a bf16 step whose
 casts all come from one ``fsg::cast_flat`` equals the plain step bit for bit (run op by op:
 the op's CPU path is a ``copy_`` cast, the same rounding as ``.to()``)."""
 
-import contextlib
-
 import pytest
 import torch
 
 import fsg
-from fsg._src.passes import batch_casts
+from fsg._src.passes.options import Fusions
 
 pytest.importorskip("transformers")
 
@@ -20,14 +18,13 @@ def two_steps(kind: str, forced: bool):
     model = hf_models.make(kind)
     step = fsg.compile_step(
         hf_models.loss_fn(model), optimizer=fsg.optim.adamw(1e-3), precision=fsg.Policy(compute=torch.bfloat16),
-        backend="eager", donate=False,
+        backend="eager", donate=False, fusions=Fusions(on_cpu={"batch_casts"} if forced else frozenset()),
     )  # fmt: skip
     state, losses = step.init(fsg.params(model)), []
-    with batch_casts.force() if forced else contextlib.nullcontext():
-        counts = step.lower(state, hf_models.batches(1, kind=kind)[0]).op_counts()
-        for batch in hf_models.batches(2, kind=kind):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
+    counts = step.lower(state, hf_models.batches(1, kind=kind)[0]).op_counts()
+    for batch in hf_models.batches(2, kind=kind):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
     return losses, state.params, counts
 
 

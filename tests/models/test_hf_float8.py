@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fsg
-from fsg._src.passes import float8_fuse
+from fsg._src.passes.options import Fusions
 
 pytest.importorskip("transformers")
 
@@ -23,12 +23,20 @@ NOT_CONVERTED = {
 }
 
 
-def one_step(kind, policy):
+UNFUSED = Fusions(fp8_producers=frozenset())  # no producer computes its output's FP8 cast
+
+
+def one_step(kind, policy, fusions=None):
     """The first step's loss, the update it made (all parameters, flattened, float32) and the
     graph's op counts."""
     model = hf_models.make(kind)
     step = fsg.compile_step(
-        hf_models.loss_fn(model), optimizer=fsg.optim.sgd(0.05), precision=policy, backend="eager", donate=False
+        hf_models.loss_fn(model),
+        optimizer=fsg.optim.sgd(0.05),
+        precision=policy,
+        backend="eager",
+        donate=False,
+        fusions=fusions,
     )
     before, batch = step.init(fsg.params(model)), hf_models.batches(1, kind=kind)[0]
     after, metrics = step(before, batch)
@@ -49,11 +57,10 @@ def test_rowwise_step_tracks_the_bf16_step(kind):
 
 
 @pytest.mark.parametrize("kind", ["bert", "gpt_neox"])  # erf GELU, tanh GELU (Gemma's gated GELU: below)
-def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind, monkeypatch):
+def test_the_fused_gelu_gradient_cast_equals_the_unfused_one(kind):
     loss, update, counts = one_step(kind, ROWWISE)
     assert counts.get("fsg.gelu_backward_fp8", 0) >= 2 and "aten.gelu_backward" not in counts
-    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
-    plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
+    plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE, UNFUSED)
     assert "fsg.gelu_backward_fp8" not in plain_counts
     assert loss == plain_loss
     torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)
@@ -67,7 +74,7 @@ GATED = {"llama": (4, 2), "mistral": (4, 2), "qwen2": (4, 2), "qwen3": (4, 2), "
 
 
 @pytest.mark.parametrize("kind", sorted(GATED))
-def test_the_fused_gated_mlp_casts_equal_the_unfused_ones(kind, monkeypatch):
+def test_the_fused_gated_mlp_casts_equal_the_unfused_ones(kind):
     """Each layer's gated MLP: the product and the up-projection's gradient in ``gated_fp8``,
     the gate's gradient in ``gated_backward_fp8``; the step is the unfused one's (loss bit for
     bit)."""
@@ -76,8 +83,7 @@ def test_the_fused_gated_mlp_casts_equal_the_unfused_ones(kind, monkeypatch):
     assert counts.get("fsg.gated_fp8") == products and counts.get("fsg.gated_backward_fp8", 0) == gate_grads, counts
     backward = "aten.gelu_backward" if kind.startswith("gemma") else "aten.silu_backward"
     assert counts.get(backward, 0) == 2 - gate_grads and "fsg.gelu_backward_fp8" not in counts
-    monkeypatch.setattr(float8_fuse, "FUSE_PRODUCERS", False)
-    plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE)
+    plain_loss, plain_update, plain_counts = one_step(kind, ROWWISE, UNFUSED)
     assert "fsg.gated_fp8" not in plain_counts and plain_counts.get(backward) == 2
     assert loss == plain_loss
     torch.testing.assert_close(update, plain_update, rtol=1e-3, atol=1e-7)
