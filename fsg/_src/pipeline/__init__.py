@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the ``pp`` mesh axis (docs/parallelism.md)."""
