@@ -95,3 +95,68 @@ def test_private_torch_apis_only_in_torch_private(path, module):
                 f"{path.relative_to(SRC.parent.parent)}:{node.lineno} uses .{node.attr}; "
                 f"wrap it in fsg/_src/_torch_private.py with a pin in tests/test_torch_private.py"
             )
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_torch_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """Each ``torch._x`` attribute chain (``torch.a._b.c``), ``import torch._x`` and ``from torch...
+    import _x`` in ``tree``. Allowed, by ``ALLOWED_PRIVATE_TORCH``'s rules: what follows
+    ``torch.ops`` (op namespaces and op names, ``torch.ops.aten._to_copy.default``, are the IR
+    the graphs are written in, not APIs) and dunders (``torch.__version__``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and not isinstance(node.value, ast.Call):
+            chain, root = [], node
+            while isinstance(root, ast.Attribute):
+                chain.append(root.attr)
+                root = root.value
+            chain.reverse()
+            head = chain[: chain.index("ops")] if "ops" in chain else chain
+            if isinstance(root, ast.Name) and root.id == "torch" and any(map(_private, head)):
+                found.append((node.lineno, "torch." + ".".join(chain)))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(map(_private, a.name.split(".")))]  # fmt: skip
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            names = [a.name for a in node.names]
+            if any(map(_private, node.module.split("."))) or any(map(_private, names)):
+                found.append((node.lineno, f"from {node.module} import {', '.join(names)}"))
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path, module", MODULES, ids=[n for _, n in MODULES])
+def test_private_torch_names_only_in_torch_private(path, module):
+    """No module but ``_torch_private.py`` names a private torch API (``torch._*``, a private
+    submodule or name imported from torch); torch's op names in ``torch.ops...`` are allowed."""
+    if path.name == "_torch_private.py":
+        return
+    uses = _private_torch_uses(ast.parse(path.read_text()))
+    assert not uses, (
+        f"{path.relative_to(SRC.parent.parent)} uses private torch APIs {uses}; wrap each in "
+        "fsg/_src/_torch_private.py with a pin in tests/test_torch_private.py"
+    )
+
+
+def test_the_private_torch_check_sees_each_form():
+    source = """
+import torch
+import torch._dynamo
+from torch._ops import OpOverload
+from torch.nn.utils.stateless import _reparametrize_module
+torch._scaled_mm(a, b)
+torch.cuda._lazy_init()
+x = torch.ops.aten._to_copy.default
+y = torch.ops._c10d_functional.wait_tensor.default
+v = torch.__version__
+"""
+    got = [what for _, what in _private_torch_uses(ast.parse(source))]
+    assert got == [
+        "import torch._dynamo",
+        "from torch._ops import OpOverload",
+        "from torch.nn.utils.stateless import _reparametrize_module",
+        "torch._scaled_mm",
+        "torch.cuda._lazy_init",
+    ]

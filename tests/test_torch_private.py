@@ -509,3 +509,43 @@ def test_mkldnn_disabled_restores_the_flag_after_disable_global_flags():
         assert torch.backends.mkldnn.enabled == before
     finally:
         torch.backends.__allow_nonbracketed_mutation_flag = True  # the process's other tests set flags
+
+
+def test_fake_tensor_log_is_the_logger_that_reports_failed_meta_calls():
+    """``trace/libraries.py`` filters this logger's "failed while attempting to run meta"
+    records while tracing: the logger is the fake-tensor module's own, and it still logs that."""
+    import inspect
+
+    from torch._subclasses import fake_tensor
+
+    assert _torch_private.FAKE_TENSOR_LOG.name == fake_tensor.__name__ == "torch._subclasses.fake_tensor"
+    assert "failed while attempting to run meta" in inspect.getsource(fake_tensor)
+
+
+def test_scaled_mm_is_torchs_fp8_gemm():
+    """The call ``passes/float8_cost.py`` times: e4m3 operands, tensorwise scales, bf16 out."""
+    a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+    out = _torch_private.scaled_mm(a, b, torch.ones(()), torch.ones(()), out_dtype=torch.bfloat16, use_fast_accum=False)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (a.float() @ b.float()).bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "line, groups",
+    [
+        ("    buf3 = workspace_0[0 : 8].view(2, 4).sum(dim=0)", ("    ", "buf3", "workspace_0[0 : 8].view(2, 4)", "sum", "")),
+        (  # torch 2.13: a view to the buffer's shape and a cast after the reduction
+            "buf12 = workspace_1[1 * (4) * (24) : (1 + 1) * (4) * (24)].view(4, 24).amax(dim=0).view([24]).to(torch.bfloat16)",
+            ("", "buf12", "workspace_1[1 * (4) * (24) : (1 + 1) * (4) * (24)].view(4, 24)", "amax",
+             ".view([24]).to(torch.bfloat16)"),
+        ),  # fmt: skip
+        ("buf3 = buf2.sum(dim=0)", None),
+        ("buf3 = workspace_0[0 : 8].view(2, 4).sum(dim=1)", None),
+    ],
+)
+def test_final_reduction_line_matches_the_lines_simd_scheduling_writes(line, groups):
+    """``backend/column_sums.py`` reads Inductor's final reductions of mix-order partial sums by
+    this pattern (the format ``SIMDScheduling`` writes, pinned in
+    ``test_wrapper_lines_rewritten_sees_the_lines_inductor_writes``); any other line is not one."""
+    assert _torch_private.final_reduction_line(line) == groups
