@@ -27,7 +27,7 @@ non-determinism, e.g. atomic adds in reductions):
                  accumulate fast too; -fastall: the grad-weights too
   fsg-fp8-row*-noln
                  the same with the layer norms (and their residual adds) left to Inductor, not in
-                 fsg's FP8 cast kernels (float8_fuse.FUSE_LAYER_NORMS off; -ln, the default)
+                 fsg's FP8 cast kernels (Fusions(fp8_layer_norms=False); -ln, the default)
   compile-fp8, compile-fp8-row, compile-fp8-row-gwhp
                  compile after torchao's convert_to_float8_training (needs torchao), recipe
                  "tensorwise", "rowwise" (every matmul FP8, as fsg-fp8-row-gw) or
@@ -164,10 +164,10 @@ def run(impl: str, args) -> dict:
             return step, model.state_dict
 
     else:
-        from fsg._src.passes import float8_fuse
+        from fsg._src.passes.options import Fusions
 
-        float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")  # as benchmarks/gpt.py's -noln rows
-        impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default since 2026-12-06
+        fusions = Fusions(fp8_layer_norms=not impl.endswith("-noln"))  # as benchmarks/gpt.py's -noln rows
+        impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default
         matmul = float8_config(impl, {
             "fsg-fp8": fsg.Float8(),
             "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
@@ -178,6 +178,7 @@ def run(impl: str, args) -> dict:
             lambda params, b: fsg.apply(model, params, b["x"], b["y"]),
             optimizer=fsg.optim.adamw(schedule, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
             precision=policy,
+            fusions=fusions,
         )
 
         def start():

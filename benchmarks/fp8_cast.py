@@ -9,15 +9,11 @@ Each case is one tensor of a GPT-2 step at batch 16 x 1024 (M = 16,384 token row
 (``gelu_fp8``), the qkv gradient ``cat([dq, dk, dv])`` whose pieces come out of attention's
 backward as transposed heads (``cat_rowwise_fp8``), a residual-stream gradient
 (``rowwise_fp8``), a layer norm's output (``layer_norm_fp8``: the norm and its cast), and a
-layer norm's backward with the residual stream's gradient (``layer_norm_backward_fp8``: the
-backward, the add, the cast, the column sums), and a weight's two casts from its float32 master
-(``weight_fp8``: ``W`` and ``W.T``, each a scale per row). "Inductor" is ``torch.compile`` of the
-reference (the ops the float8 pass emits when nothing is fused; for the norm's backward,
-Inductor's backward and add, then ``fsg::rowwise_fp8``: the step without the fusion; for a
-weight, the bf16 copy then Inductor's two casts of it, each compiled alone, as the step runs
-them, one in the forward and one in the backward).
-``--only backward --sweep`` times the norm backward's tilings alone; ``--only weight --sweep``
-the weight kernels' tiles. GB/s counts the bytes each must move (inputs read once, outputs
+weight's two casts from its float32 master (``weight_fp8``: ``W`` and ``W.T``, each a scale per
+row). "Inductor" is ``torch.compile`` of the reference (the ops the float8 pass emits when
+nothing is fused; for a weight, the bf16 copy then Inductor's two casts of it, each compiled
+alone, as the step runs them, one in the forward and one in the backward).
+``--only weight --sweep`` times the weight kernels' tiles alone. GB/s counts the bytes each must move (inputs read once, outputs
 written once), against a device-to-device copy of 1 GiB in the same run. Times are medians of
 ``triton.testing.do_bench`` (CUDA events).
 """
@@ -33,11 +29,9 @@ import triton
 from triton.testing import do_bench
 
 from fsg._src.kernels import float8_cast as K
-from fsg._src.kernels import layer_norm_backward_fp8 as LNB
 from fsg._src.kernels import layer_norm_fp8 as LN
 from fsg._src.kernels import weight_fp8 as WF
 from fsg._src.kernels._common import RowTiling
-from fsg._src.kernels.column_sum import column_sum
 
 M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps, software-pipeline
@@ -45,7 +39,6 @@ M = 16384
 # everywhere, by 1.5-10x
 SWEEP = ((1,), (1024, 2048), (8, 16), (1, 2, 3))
 WIDE = ((1, 2), (512, 1024, 2048, 4096, 0), (4, 8, 16, 32), (1, 2))  # --wide: for the 1.3B widths
-NORM_SWEEP = ((1, 2, 4), (512, 1024, 2048), (4, 8), (1,))  # the norm backward's (its own grid)
 WEIGHT_SWEEP = ((32, 64, 128), (32, 64, 128), (4, 8))  # the weight kernels' tile rows, columns, warps
 
 
@@ -83,11 +76,6 @@ def _cases(widths: dict[str, int]):
         yield (f"{model} layer norm of x + r [{M}, {C}]: the sum, y, its FP8 copy, statistics", LN.add_layer_norm_fp8,
                _add_layer_norm_reference, (x, r, w, b, 1e-5), M * C * (2 + 2 + 2 + 2 + f8) + 3 * M * f32,
                "add_layer_norm")  # fmt: skip
-        _, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [C], w, b, 1e-5)
-        dy = randn(M, C, scale=1e-2)
-        yield (f"{model} layer norm backward + r [{M}, {C}]: dx, its FP8 copy, column sums, dw, db",
-               LNB.layer_norm_backward_fp8, _norm_backward_today, (dy, x, mean, rstd, w, b, [True, True, True], r, True),
-               M * C * (2 + 2 + 2 + 2 + f8) + 3 * M * f32, "norm_backward")  # fmt: skip
         for rows, cols in ((3 * C, C), (4 * C, C), (C, 4 * C)):  # qkv's, fc's, fc_proj's weights
             w = torch.randn(rows, cols, generator=gen, device="cuda") * 0.02
             yield (f"{model} weight [{rows}, {cols}] float32: both FP8 casts", WF.weight_fp8, _weight_today,
@@ -102,7 +90,7 @@ _CASTS = {}
 
 
 def _weight_today(w, round_to):
-    """What the step runs without ``FUSE_WEIGHTS``: the compute-dtype copy (``cast_flat``'s
+    """What the step runs without ``Fusions.fp8_weights``: the compute-dtype copy (``cast_flat``'s
     write), then Inductor's cast of it in the forward and of its transpose in the backward
     (compiled apart: they run far apart in the step)."""
     if not _CASTS:
@@ -114,15 +102,6 @@ def _weight_today(w, round_to):
 _weight_today.compiled = True  # main() times it as it is
 
 
-def _norm_backward_today(dy, x, mean, rstd, w, b, mask, r, column_sums):
-    """What the step runs without ``FUSE_NORM_BACKWARDS``: Inductor's backward and add (compiled
-    with this function), then ``fsg::rowwise_fp8`` reading the sum again."""
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward.default(dy, x, [x.shape[-1]], mean, rstd, w, b, mask)
-    dx = r + dx
-    q, inv, colsum, _ = K.rowwise_fp8(dx.reshape(-1, dx.shape[-1]))
-    return dx, q, inv, colsum, dw, db
-
-
 def _add_layer_norm_reference(x, r, w, b, eps):
     s = x + r
     return (s, *LN.layer_norm_fp8_reference(s, w, b, eps))
@@ -130,18 +109,6 @@ def _add_layer_norm_reference(x, r, w, b, eps):
 
 def _launcher(kind: str, args, t: RowTiling):
     """A launch of the kernel alone with tiling ``t`` (outputs allocated once)."""
-    if kind == "norm_backward":
-        dy, x, mean, rstd, w, _, _, r, _ = args
-        f32 = {"dtype": torch.float32, "device": "cuda"}
-        outs = (torch.empty_like(x), torch.empty(x.shape, dtype=K.E4M3, device="cuda"), torch.empty((x.shape[0], 1), **f32),
-                torch.empty((t.programs, 3 * x.shape[1]), **f32))  # fmt: skip
-        stats = mean.reshape(-1), rstd.reshape(-1)
-
-        def run_norm_backward():
-            LNB.launch(dy, x, w, *stats, r, *outs, (True, True, True), t)
-            column_sum(outs[-1])
-
-        return run_norm_backward
     if kind in ("layer_norm", "add_layer_norm"):
         x, r, w, b, eps = args if kind == "add_layer_norm" else (args[0], None, *args[1:])
         f32 = {"dtype": torch.float32, "device": "cuda"}
@@ -237,12 +204,12 @@ def main() -> None:
         pieces = 3 if kind == "cat" else 1
         colsum = not kind.startswith(("gelu:", "layer_norm", "add_layer_norm"))
         best = None
-        grid = NORM_SWEEP if kind == "norm_backward" else WIDE if args.wide else SWEEP
+        grid = WIDE if args.wide else SWEEP
         for rows, programs, warps, stages in itertools.product(*grid):
             if rows * pieces * triton.next_power_of_2(C) > 16384 or (programs == 0 and colsum and M // rows > 4096):
                 continue
             iters = 1 if programs == 0 else max(1, -(-M // (rows * programs)))
-            t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps, stages=stages, backward=kind == "norm_backward")
+            t = RowTiling(M, C, rows=rows, iters=iters, num_warps=warps, stages=stages)
             try:
                 ms = _ms(_launcher(kind, inputs, t))
             except Exception as exc:  # a tiling the compiler refuses (resources): skip it

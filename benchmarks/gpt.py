@@ -17,92 +17,14 @@ the whole run, compile and CUDA-graph capture included (torch: max_memory_alloca
 peak_bytes_in_use); "reserved" is what the allocator held at most (torch:
 max_memory_reserved; JAX: peak_bytes_reserved where reported). MFU counts
 6 N + 12 L T D FLOPs per token (N: params without the position embedding) against 989 TFLOP/s.
-The fsg rows of RESULTS.md from the twenty-second session on ran with NVIDIA's cuDNN frontend
-installed (`pip install -e ".[cudnn]"`; the versions column names it): without it the
-attention backward's qkv gradient is concatenated (the `-catgrads` rows).
+An fsg row whose versions column names cudnn-frontend ran with NVIDIA's cuDNN frontend
+installed (`pip install -e ".[cudnn]"`): without it the attention backward's qkv gradient is
+concatenated (the `-catgrads` rows).
 
-Implementations (--impl):
-  eager     PyTorch modules, autocast, torch.optim.AdamW(fused=True)
-  compile   torch.compile of (ids, targets) -> loss: the model and the loss (on float32
-            logits) in one compiled region, as nanoGPT and torchtitan do; autocast, fused AdamW.
-            The baseline.
-  compile-max   the same with mode="max-autotune-no-cudagraphs" (minutes of autotuning)
-  compile-opt   compile, plus the optimizer step under torch.compile (AdamW(foreach=True),
-            lr as a tensor so it never recompiles)
-  compile-opt-nomix   compile-opt with Inductor's mix-order reductions off
-            (TORCHINDUCTOR_MIX_ORDER_REDUCTION=0): 0.8% faster than compile-opt in one call
-            (RESULTS.md, eighteenth session), a variant the baseline search must include
-  compile-fp8   compile after torchao's convert_to_float8_training (tensorwise dynamic scaling,
-            the head kept in bf16, torchao's filter for dims not divisible by 16): the
-            layer-by-layer FP8 baseline (needs torchao: the wheel is carried to the GPU machine)
-  compile-model torch.compile(model) with the loss outside, in eager float32 (the weaker
-            baseline earlier rows of RESULTS.md were measured against)
-  compile-muon, compile-opt-muon   compile with torch.optim.Muon (lr 0.02) for the blocks'
-            weight matrices and AdamW for the rest (embeddings, norms, biases), the
-            optimizer steps eager or under torch.compile: the baselines of fsg-muon
-  jax       jax.jit of value_and_grad + optax.adamw, donated state, layers under lax.scan
-  fsg       fsg.compile_step with every default on: fused AdamW, CUDA-graph replay, and the
-            loss through fsg.nn.linear_cross_entropy (the head fused with the loss)
-  fsg-autocast  fsg with Policy(compute=bf16, autocast=True): the loss traced under autocast,
-            the baseline's numerics op for op (benchmarks/convergence.py compares the curves)
-  fsg-logits, fsg-nograph, fsg-nofuse   fsg with one thing turned off: the loss on full
-            logits (fsg.nn.cross_entropy), no CUDA graph, or the traced optimizer
-  fsg-biasfuse   fsg with the fuse_bias_grads pass on (off by default: measured slower): the
-            MLP's and the qkv projection's bias gradients summed in the kernels that write
-            their rows
-  fsg-noepilogue   fsg with the gemm_epilogues pass off: the MLP's GELU and GELU gradient left
-            to Inductor's kernels instead of cuBLASLt's GEMM epilogues
-  fsg-epilogue-fwd   fsg with only the pass's forward half (the GELU in the up-projection's GEMM)
-  fsg-atensums   fsg with backend/column_sums.py off: the last step of Inductor's mix-order
-            reductions left to torch's sum (a memset and a reduction kernel each)
-  fsg-eachcast   fsg with the batch_casts pass off: each parameter cast to bf16 by a kernel of
-            its own (Inductor's), not all in one multi-tensor launch
-  any fsg implementation + -catgrads   with the pack_attention_grads pass off: attention's
-            backward writes dq, dk, dv apart and the graph concatenates them (fsg-catgrads)
-  fsg-muon  fsg with fsg.optim.multi_transform: muon(0.02) for the blocks' weight matrices,
-            adamw for the rest (the update traced as math: the fused AdamW kernel takes one
-            adamw over all parameters)
-  fsg-skip  fsg with skip_nonfinite=True: the cost of skipping non-finite steps in the graph
-  fsg-fp8   fsg with Policy(compute=bf16, matmul=fsg.Float8()): the linear layers' matmuls as
-            tensorwise-scaled FP8 torch._scaled_mm (Hopper and Ada only; docs/precision.md#fp8)
-  fsg-fp8-row   the same with Float8(recipe="rowwise"): a scale per row, the grad-weight in bf16
-  fsg-fp8-row-unfused   fsg-fp8-row without the fused producer + cast kernels
-            (kernels/float8_cast.py): every cast left to Inductor, for the A/B in one run
-  fsg-fp8-row-gelubwd   fsg-fp8-row with only the GELU gradient's cast fused (the GELU
-            activation's and the qkv gradient's left to Inductor)
-  fsg-fp8-row-nocolsum   fsg-fp8-row with FUSE_COLUMN_SUMS off: the operands a bias gradient
-            sums, other than the fused producers', cast by Inductor (fsg-fp8-row-colsum, the
-            default since the twelfth session, is fsg-fp8-row)
-  fsg-fp8-row-gw   fsg-fp8-row with Float8(grad_weight="fp8"): the grad-weights in FP8 too,
-            dY and X scaled per column (along the tokens) through transposed casts
-  fsg-fp8-row-gw-nocolsum   fsg-fp8-row-gw with FUSE_COLUMN_SUMS off (fsg-fp8-row-gw-colsum is
-            fsg-fp8-row-gw)
-  fsg-fp8-row-gw-colamax   fsg-fp8-row-gw with FUSE_COLUMN_AMAX on: the transposed casts'
-            column maxima computed in the fused cast kernels, not reduced by Inductor (measured
-            slower: off by default; fsg-fp8-row-gw-nocolamax is fsg-fp8-row-gw)
-  any fsg-fp8 implementation + -fastgi   with Float8(fast_accum=("forward", "grad_input")):
-            the grad-input matmuls accumulate in the tensor cores' fast accumulator too;
-            + -fastall: the grad-weights too (e.g. fsg-fp8-row-gw-fastgi)
-  any fsg-fp8-row implementation + -noln   with FUSE_LAYER_NORMS off: each layer norm an FP8
-            matmul reads normalized and cast by Inductor, not in fsg's kernel (fsg::layer_norm_fp8,
-            fsg::add_layer_norm_fp8 with the residual add: the default since 2026-12-06; the
-            older -ln suffix names the default; e.g. fsg-fp8-row-fastgi-noln)
-  any fsg-fp8-row implementation + -lnb / -nolnb   with FUSE_NORM_BACKWARDS on / off: the
-            residual stream's gradient (proj's and fc2's output gradient) computed, cast and
-            summed in fsg::layer_norm_backward_fp8, or by Inductor's layer-norm backward then
-            fsg::rowwise_fp8 (off by default until measured; e.g. fsg-fp8-row-fastgi-lnb)
-  any fsg-fp8-row implementation + -wfp8 / -nowfp8   with FUSE_WEIGHTS on / off: each weight's
-            two FP8 casts (W and W.T) from its float32 master in fsg::weight_fp8, or Inductor's
-            casts of its bf16 copy (on by default since 2026-12-07; after -lnb: e.g.
-            fsg-fp8-row-fastgi-lnb-nowfp8)
-  any fsg-fp8 implementation + -bf16proj   the attention's output projections (blocks.*.attn.proj)
-            kept in bf16 (Float8(filter=...)): their FP8 GEMMs save less than the cast of the
-            attention's output costs at width 1024 (benchmarks/fp8_gemm_epilogue.py's GEMM rows)
-  any fsg-fp8 implementation + -auto   Float8(filter="auto"): the layers kept in bf16 chosen
-            by the cost model measured on this GPU at compile time (passes/float8_cost.py)
-  any fsg-fp8-row implementation + -s3   the cast and layer-norm kernels' row loops
-            software-pipelined 3 deep (float8_cast_kernel.PIPELINE_STAGES; e.g.
-            fsg-fp8-row-fastgi-s3, fsg-fp8-row-fastgi-ln-s3)
+Implementations (--impl, comma-separated): a base name and suffixes, the registry of
+benchmarks/gpt_impls.py (`python benchmarks/gpt.py --help` lists them); a name it does not
+know is an error. Each fsg variant that turns a fusion off does so through
+`compile_step(fusions=Fusions(...))`.
 """
 
 from __future__ import annotations
@@ -116,7 +38,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import float8_config, profile_table, torchao_float8
+import gpt_impls
+from _common import profile_table, torchao_float8
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {"124m": (12, 12, 768), "355m": (24, 16, 1024), "1.3b": (24, 16, 2048), "tiny": (2, 4, 128)}
@@ -150,8 +73,9 @@ def run_torch(impl: str, args) -> dict:
     import fsg
     from examples.gpt import GPT, GPTConfig
 
-    auto_figures = impl.endswith("-auto")  # (the suffix is taken off below)
-    row = impl  # the row's full name (its profile's file)
+    spec = gpt_impls.resolve(impl)
+    auto_figures = spec.has("-auto")
+    row, impl = impl, spec.base  # the row's full name (its profile's file), and what it varies
     layers, heads, dim = MODELS[args.model]
     cfg = GPTConfig(vocab_size=50304, block_size=args.seq, n_layer=layers, n_head=heads, n_embd=dim)
     torch.manual_seed(0)
@@ -216,44 +140,9 @@ def run_torch(impl: str, args) -> dict:
             return loss
 
     else:
-        from fsg._src.kernels import float8_cast_kernel
-        from fsg._src.passes import float8_fuse, pack_attention_grads
+        from fsg._src.passes.options import Fusions
 
-        auto_filter = impl.endswith("-auto")
-        impl = impl.removesuffix("-auto")
-        keep_attn_proj = impl.endswith("-bf16proj")
-        impl = impl.removesuffix("-bf16proj")
-        float8_cast_kernel.PIPELINE_STAGES = 3 if impl.endswith("-s3") else 1
-        impl = impl.removesuffix("-s3")
-        if impl.endswith(("-wfp8", "-nowfp8")):  # else the default
-            float8_fuse.FUSE_WEIGHTS = impl.endswith("-wfp8")
-        impl = impl.removesuffix("-nowfp8").removesuffix("-wfp8")
-        if impl.endswith(("-lnb", "-nolnb")):  # else the default
-            float8_fuse.FUSE_NORM_BACKWARDS = impl.endswith("-lnb")
-        impl = impl.removesuffix("-nolnb").removesuffix("-lnb")
-        float8_fuse.FUSE_LAYER_NORMS = not impl.endswith("-noln")
-        impl = impl.removesuffix("-noln").removesuffix("-ln")  # -ln: the default since 2026-12-06
-        pack_attention_grads.ENABLED = not impl.endswith("-catgrads")
-        impl = impl.removesuffix("-catgrads")  # the rest of the configuration is the base's
         logits_loss = impl == "fsg-logits"
-        float8_fuse.FUSE_PRODUCERS = impl != "fsg-fp8-row-unfused"
-        if impl == "fsg-fp8-row-gelubwd":
-            float8_fuse.FUSED_PRODUCERS = frozenset({float8_fuse.GELU_BACKWARD})
-        float8_fuse.FUSE_COLUMN_SUMS = not impl.endswith("-nocolsum")
-        float8_fuse.FUSE_COLUMN_AMAX = impl.endswith("-colamax")
-        from fsg._src.passes import fuse_bias_grads
-
-        fuse_bias_grads.ENABLED = impl == "fsg-biasfuse"
-        from fsg._src.passes import gemm_epilogues
-
-        gemm_epilogues.ENABLED = "noepilogue" not in impl
-        gemm_epilogues.FUSE_BACKWARD = impl != "fsg-epilogue-fwd"
-        from fsg._src.backend import column_sums
-
-        column_sums.ENABLED = impl != "fsg-atensums"
-        from fsg._src.passes import batch_casts
-
-        batch_casts.ENABLED = impl != "fsg-eachcast"
 
         def loss_fn(params, batch):
             if logits_loss:
@@ -264,22 +153,10 @@ def run_torch(impl: str, args) -> dict:
         if impl == "fsg-muon":
             hidden = lambda p: {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "adamw" for k, v in p.items()}  # noqa: E731
             adamw = fsg.optim.multi_transform({"muon": fsg.optim.muon(MUON_LR, weight_decay=WD), "adamw": adamw}, hidden)
-        matmul = float8_config(impl, {
-            "fsg-fp8": fsg.Float8(),
-            "fsg-fp8-row": fsg.Float8(recipe="rowwise"),
-            "fsg-fp8-row-unfused": fsg.Float8(recipe="rowwise"),
-            "fsg-fp8-row-gelubwd": fsg.Float8(recipe="rowwise"),
-            "fsg-fp8-row-colsum": fsg.Float8(recipe="rowwise"),
-            "fsg-fp8-row-nocolsum": fsg.Float8(recipe="rowwise"),
-            "fsg-fp8-row-gw": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-            "fsg-fp8-row-gw-colsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-            "fsg-fp8-row-gw-nocolsum": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-            "fsg-fp8-row-gw-colamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-            "fsg-fp8-row-gw-nocolamax": fsg.Float8(recipe="rowwise", grad_weight="fp8"),
-        })  # fmt: skip
-        if keep_attn_proj and matmul is not None:  # the attention's output projection in bf16
+        matmul = None if spec.float8 is None else fsg.Float8(**spec.float8)
+        if spec.has("-bf16proj") and matmul is not None:  # the attention's output projection in bf16
             matmul = fsg.Float8(**{**matmul._asdict(), "filter": lambda name: ".attn.proj." not in name})
-        if auto_filter and matmul is not None:  # the layers chosen by the cost model, measured on this GPU
+        if spec.has("-auto") and matmul is not None:  # the layers chosen by the cost model, measured on this GPU
             matmul = fsg.Float8(**{**matmul._asdict(), "filter": "auto"})
         fstep = fsg.compile_step(
             loss_fn,
@@ -288,6 +165,7 @@ def run_torch(impl: str, args) -> dict:
             cuda_graph=False if impl == "fsg-nograph" else None,
             fused_optimizer=False if impl == "fsg-nofuse" else None,
             skip_nonfinite=impl == "fsg-skip",
+            fusions=Fusions(**spec.fusions),
         )
         state = fstep.init(fsg.params(model))
         for p in model.parameters():  # the module is only a template now: drop its own copy
@@ -488,9 +366,15 @@ def child(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="implementations:\n" + gpt_impls.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", choices=sorted(MODELS), default="124m")
-    parser.add_argument("--impl", default="compile,compile-opt,fsg,fsg-autocast")
+    parser.add_argument(
+        "--impl", type=gpt_impls.impl_list, default="compile,compile-opt,fsg,fsg-autocast", help="comma-separated"
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
@@ -504,7 +388,7 @@ def main() -> None:
         return child(args)
     layers, _, dim = MODELS[args.model]
     rows = []
-    for impl in args.impl.split(","):
+    for impl in (spec.name for spec in args.impl):
         print(f"[gpt {args.model}] {impl} ...", flush=True)
         cmd = [sys.executable, __file__, "--child", impl, *sys.argv[1:]]
         env = {**os.environ, "TORCHINDUCTOR_MIX_ORDER_REDUCTION": "0"} if impl.endswith("-nomix") else None

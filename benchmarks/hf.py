@@ -104,14 +104,15 @@ def run(kind: str, impl: str, args) -> dict:
         matmul = None
         if impl.startswith("fsg-fp8"):
             matmul = fsg.Float8(recipe="rowwise", fast_accum=("forward", "grad_input"))
-        if impl == "fsg-fp8-nogated":
-            from fsg._src.passes import float8_fuse, float8_producers
+        from fsg._src.passes.options import FP8_PRODUCERS, Fusions
 
-            float8_fuse.FUSED_PRODUCERS = float8_fuse.FUSED_PRODUCERS - {float8_producers.MUL, float8_producers.SILU_BACKWARD}
+        gated = {"mul", "silu_backward"}  # the gated MLP's product and SiLU gradient
+        producers = FP8_PRODUCERS - gated if impl == "fsg-fp8-nogated" else FP8_PRODUCERS
         train = fsg.compile_step(
             loss_fn, optimizer=fsg.optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
             precision=fsg.Policy(compute=torch.bfloat16, matmul=matmul),
             fused_loss=False if impl == "fsg-unfused" else None,
+            fusions=Fusions(fp8_producers=producers),
         )  # fmt: skip
         state = train.init(fsg.params(model))
         holder = [state]
