@@ -5,6 +5,7 @@ from fsg import data as data
 from fsg import distributed as distributed
 from fsg import nn as nn
 from fsg import optim as optim
+from fsg import pipeline as pipeline
 from fsg import sharding as sharding
 from fsg import topology as topology
 from fsg._src.errors import ArgumentError as ArgumentError
@@ -34,6 +35,7 @@ from fsg._src.functional import buffers as buffers
 from fsg._src.functional import params as params
 from fsg._src.mesh import Mesh as Mesh
 from fsg._src.mesh import P as P
+from fsg._src.pipeline.options import Pipeline as Pipeline
 from fsg._src.precision import DynamicLossScale as DynamicLossScale
 from fsg._src.precision import Policy as Policy
 from fsg._src.runtime.compile_step import compile_step as compile_step
@@ -61,6 +63,8 @@ __all__ = [
     "Mesh",
     "MeshError",
     "P",
+    "Pipeline",
+    "pipeline",
     "Policy",
     "ShardingFallbackWarning",
     "ShardingRuleError",

@@ -24,6 +24,7 @@ LAYERS = [
     {"sharding"},  # stage 2
     {"passes"},  # stage 3
     {"backend"},  # stage 4
+    {"pipeline"},  # the pp axis: splits stage 1's forward into stages, compiles each with stage 4
     {"runtime"},  # Step: builds with stages 1-3, compiles with 4, caches and runs
     {"testing"},
 ]

@@ -7,7 +7,7 @@ import fsg.optim
 
 def test_fsg_public_names():
     assert sorted(fsg.__all__) == sorted([
-        "ArgumentError", "BatchError", "ReplicaMismatchError", "check_replicas", "DataError", "DynamicLossScale", "Float8", "NonFiniteError", "SkipNonFinite", "data", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "EvalStep", "FsgError", "Mesh", "MeshError", "P", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError", "Memory",
+        "ArgumentError", "BatchError", "ReplicaMismatchError", "check_replicas", "DataError", "DynamicLossScale", "Float8", "NonFiniteError", "SkipNonFinite", "data", "CheckpointError", "checkpoint", "Cost", "CudaGraphWarning", "EvalStep", "FsgError", "Mesh", "MeshError", "P", "Pipeline", "pipeline", "Policy", "ShardingFallbackWarning", "ShardingRuleError", "distributed", "sharding", "HostSyncError", "ImpureLossError", "Lowered", "LossNotScalarError", "Memory",
         "NonTensorLeafError", "RecompileError", "RecompileWarning", "Step", "StructureMismatchError",
         "Topology", "TopologyError", "TrainState", "UnsupportedError", "plan", "topology", "VerificationError", "apply", "buffers", "compile_eval", "compile_step", "nn", "optim", "params",
     ])  # fmt: skip
@@ -70,3 +70,12 @@ def test_sharding_testing_distributed_names():
          "verify_step"]
     )  # fmt: skip
     assert sorted(fsg.distributed.__all__) == ["ProcessInfo", "initialize", "shutdown"]
+
+
+def test_pipeline_names():
+    import fsg.pipeline
+
+    assert sorted(fsg.pipeline.__all__) == sorted(
+        ["Action", "Cost", "Event", "Pipeline", "PipelineStep", "Schedule", "Timeline", "make_schedule", "simulate"]
+    )
+    assert fsg.Pipeline is fsg.pipeline.Pipeline

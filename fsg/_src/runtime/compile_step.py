@@ -10,6 +10,8 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.passes import options as fusion_options
 from fsg._src.passes.options import Fusions
+from fsg._src.pipeline.options import Pipeline
+from fsg._src.pipeline.step import PipelineStep, compile_pipeline_step
 from fsg._src.precision import Policy
 from fsg._src.rules import Rules
 from fsg._src.runtime import validate
@@ -38,7 +40,8 @@ def compile_step(
     check_replicas: int | None = None,
     fused_loss: bool | None = None,
     fusions: Fusions | None = None,
-) -> Step:
+    pipeline: Pipeline | None = None,
+) -> Step | PipelineStep:
     """Compiles the whole train step of ``loss_fn`` (forward, backward, optimizer) into one graph.
 
     Tracing happens at the first call, on the abstract values (shapes, dtypes) of the state
@@ -121,6 +124,11 @@ def compile_step(
         applies; turning one off gives the unfused step (the A/B of ``benchmarks/gpt.py``,
         and the tests' baseline). Fixed for the step: part of its compile cache and of
         Inductor's cache tag (docs/compiling.md#fusions). ``None``: ``Fusions()``.
+      pipeline: on a mesh with a ``pp`` axis, an ``fsg.Pipeline``: the schedule, the split
+        points and the stages per rank; ``accum_steps`` is the microbatch count. ``None``
+        there: ``fsg.Pipeline()`` (1F1B, split balanced by cost). The step is then a
+        ``PipelineStep`` (``step.init(params, batch=example)``; docs/parallelism.md says what
+        it supports yet).
 
     Returns:
       A ``Step``: ``state = step.init(params)``, then ``state, metrics = step(state, batch)``.
@@ -141,5 +149,7 @@ def compile_step(
         bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
         fused_loss=fused_loss, fusions=fusion_options.check(fusions),
     )  # fmt: skip
+    if pipeline is not None or (mesh is not None and "pp" in mesh.axis_names):
+        return compile_pipeline_step(loss_fn, mesh, optimizer, pipeline, options)
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

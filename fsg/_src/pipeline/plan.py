@@ -1,0 +1,103 @@
+"""A pipeline step's plan: the schedule, the stage graphs, which rank holds which parameter,
+and this rank's compiled actions. Every rank builds the same plan from the same trace."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fsg._src import _torch_private, tree
+from fsg._src.errors import UnsupportedError
+from fsg._src.optim._base import GradientTransformation
+from fsg._src.pipeline import forward, split, stage_fns
+from fsg._src.pipeline.actions import Schedule
+from fsg._src.pipeline.options import Pipeline
+from fsg._src.trace import tracing
+
+
+class Plan(NamedTuple):
+    """What every rank knows of the split, and this rank's compiled stages."""
+
+    schedule: Schedule
+    stages: tuple[split.StageGraph, ...]
+    names: tuple[str, ...]  # every parameter, in the params' order
+    holders: dict[str, tuple[int, ...]]  # parameter -> the pipeline indices whose stages read it
+    aux_names: tuple[str, ...]
+    fns: dict[int, stage_fns.StageFns]  # this rank's stages
+    batch_specs: Any  # the batch's abstract signature the plan was traced for
+
+
+def build(
+    loss_fn: Callable[..., Any],
+    params: dict[str, torch.Tensor],
+    batch: Any,
+    schedule: Schedule,
+    options: Pipeline,
+    me: int,
+    backend: str,
+) -> Plan:
+    """Traces one microbatch's forward and loss, splits it into ``schedule.num_stages`` stages,
+    and compiles the actions of the stages pipeline index ``me`` runs."""
+    tracing.check_accumulation(batch, schedule.num_microbatches)
+    microbatch = next(tracing.microbatches(batch, schedule.num_microbatches))
+    gm, aux_names = forward.trace_forward(loss_fn, params, microbatch)
+    stages = split.split(gm, schedule.num_stages, options.split_points, len(params))
+    names = tuple(params)
+    readers: dict[str, set[int]] = {n: set() for n in names}
+    for k, stage in enumerate(stages):
+        for i in stage.params:
+            readers[names[i]].add(schedule.rank_of(k))
+    unread = [n for n in names if not readers[n]]
+    if unread:
+        raise UnsupportedError(
+            f"params {unread[:4]} are not read by the loss; a pipeline step places each parameter on the stages "
+            f"that read it, so one no stage reads has no home yet. Leave it out of the params you pass"
+        )
+    leaves = list(params.values())
+    mb_leaves = tree.flatten(microbatch)[0]
+    fns = {}
+    for k in schedule.stages_of(me):
+        stage = stages[k]
+        fns[k] = stage_fns.build(
+            stage, [leaves[i] for i in stage.params], [mb_leaves[j] for j in stage.batch], k == len(stages) - 1, backend
+        )
+    holders = {n: tuple(sorted(r)) for n, r in readers.items()}
+    return Plan(schedule, tuple(stages), names, holders, aux_names, fns, batch_signature(batch))
+
+
+def batch_signature(batch: Any) -> Any:
+    leaves, treedef = tree.flatten(batch)
+    return treedef, tree.leaf_specs(leaves)
+
+
+def check_per_parameter(optimizer: GradientTransformation, params: dict[str, torch.Tensor]) -> None:
+    """Raises ``UnsupportedError`` if the optimizer's update of a parameter reads another
+    parameter's gradient (``clip_by_global_norm``, a norm over all updates): each pipeline rank
+    updates only its own parameters, so such an update would see a part of the gradients."""
+    names = list(params)
+    n = len(names)
+
+    def update(*flat):
+        grads, current = dict(zip(names, flat[:n])), dict(zip(names, flat[n:]))
+        updates, _ = optimizer.update(grads, optimizer.init(current), current)
+        return tuple(updates[k] for k in names)
+
+    leaves = list(params.values())
+    gm = _torch_private.trace_fake(update, *leaves, *leaves)
+    reads: dict[Any, frozenset[int]] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "placeholder":
+            reads[node] = frozenset({i}) if i < n else frozenset()
+        else:
+            reads[node] = frozenset().union(*(reads[a] for a in node.all_input_nodes))
+    outputs = next(node for node in gm.graph.nodes if node.op == "output").args[0]
+    for i, out in enumerate(outputs):
+        others = sorted(reads.get(out, frozenset()) - {i}) if isinstance(out, torch.fx.Node) else []
+        if others:
+            raise UnsupportedError(
+                f"the optimizer's update of params[{names[i]!r}] reads the gradient of params[{names[others[0]]!r}] "
+                f"(a norm over all gradients, as clip_by_global_norm computes); a pipeline step updates each "
+                f"stage's parameters on its own rank and cannot yet reduce that norm across stages. Drop the "
+                f"global clipping (or clip per parameter) for a pp step"
+            )
