@@ -166,6 +166,7 @@ def run_torch(impl: str, args) -> dict:
             fused_optimizer=False if impl == "fsg-nofuse" else None,
             skip_nonfinite=impl == "fsg-skip",
             fusions=Fusions(**spec.fusions),
+            backend=args.backend,
         )
         state = fstep.init(fsg.params(model))
         for p in model.parameters():  # the module is only a template now: drop its own copy
@@ -382,6 +383,7 @@ def main() -> None:
     parser.add_argument("--name", default="", help="a label for the table rows")
     parser.add_argument("--profile", default="", help="a path prefix: a CUDA-time table of 3 more steps per row")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script (torch rows)")
+    parser.add_argument("--backend", default="inductor", help="fsg's backend; aot_eager only to smoke-test the script")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
