@@ -5,10 +5,9 @@ layer norm's backward with its weight and bias gradients and a neighbouring bias
 into one kernel that leaves, per column sum, a float32 workspace of partial sums ``[n, C]``
 (n = 1024 at 16,384 rows); its wrapper code then adds them up with ``ws[...].view(n, C)
 .sum(dim=0)``, a torch reduction that zeroes its semaphores with a memset first. In a replayed
-CUDA graph each memset and each hand-over between it and a kernel costs 1.5-3 us on an H200: the
-56 final sums of a GPT-2 124M step cost ~0.65 ms, against ~0.47 ms of kernel time the fusion
-saved over separate column reductions (``TORCHINDUCTOR_MIX_ORDER_REDUCTION=0``); fsg's kernel
-made the 124M step faster (benchmarks/RESULTS.md).
+CUDA graph those memsets and hand-overs cost more than the fusion saved over separate column
+reductions (``TORCHINDUCTOR_MIX_ORDER_REDUCTION=0``); fsg's kernel made the step faster
+(benchmarks/RESULTS.md).
 
 While fsg compiles a step, each such wrapper line calls ``kernels/column_sum.py``'s
 ``column_sum`` instead: one Triton launch, no memset, the rows summed in a fixed order (the

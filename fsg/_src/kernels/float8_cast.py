@@ -7,8 +7,8 @@ Shape legend: M rows (tokens), N the row width (the contracted dim of the matmul
 FP8 copy), C the width of one piece of a concatenation.
 
 Left to Inductor, each cast is a row reduction (the amax) fused with the tensor's producer,
-and the producer is computed again for the writes (benchmarks/RESULTS.md: 226 us a layer for
-the MLP's GELU gradient at GPT-2 355M on the H200, where its bytes need ~100). One Triton kernel
+and the producer is computed again for the writes (about twice its bytes' time:
+benchmarks/RESULTS.md). One Triton kernel
 (``float8_cast_kernel.py``) does each case in one read of its inputs:
 
 - ``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)``, read by the

@@ -226,10 +226,10 @@ def tiling(M: int, C: int, producer: str = "identity", pieces: int = 1) -> RowTi
     the producer and the width (measured best on the H200), else ``block / 512`` warps (4 to
     16) and ``PROGRAMS`` programs walking the rows.
 
-    The H200 sweeps (``benchmarks/fp8_cast.py --sweep [--wide]``, RESULTS.md): tiles of 2 or 4
-    rows ran 1.1-10x slower than one row at every width from 1024 to 8192; the best warps
-    differ by producer and width (at 8192 a GELU 32, its gradient 8: 0.23 against 0.35 ms
-    and 0.35 against 0.54 ms with 16); 1024-2048 programs beat 512 and one program a row."""
+    From the H200 sweeps (``benchmarks/fp8_cast.py --sweep [--wide]``, figures in
+    benchmarks/RESULTS.md): tiles of 2 or 4 rows were slower than one row at every width from
+    1024 to 8192; the best warps differ by producer and width; 1024-2048 programs beat 512 and
+    one program a row."""
     block = triton.next_power_of_2(C)
     kind = producer.split(":")[0] if pieces == 1 else "cat"
     warps, programs = TILES.get((kind, block), (min(16, max(4, block // 512)), PROGRAMS))

@@ -6,8 +6,8 @@ Shape legend: M rows (every leading dim flattened), N the normalized width (the 
 of the matmul that reads the FP8 copy).
 
 Left to Inductor, the cast is a second row reduction (the amax of the rounded output) fused into
-the layer norm's kernel or after it (RESULTS.md, ninth session: 6.8 ms of casts a step at GPT-2
-355M, most of them in the layer norms' kernels). Here each program normalizes whole rows and
+the layer norm's kernel or after it (most of a rowwise step's cast time at GPT-2 355M:
+benchmarks/RESULTS.md). Here each program normalizes whole rows and
 casts them while they are in registers: it reads ``x`` once and writes ``y``, its FP8 copy, the
 inverse scales and the statistics.
 

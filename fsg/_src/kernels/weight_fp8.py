@@ -30,8 +30,8 @@ from fsg._src.kernels.float8_cast_kernel import saturate, scale_of
 
 ROUNDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # what the master is rounded to first
 SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the weights the kernel reads
-# a program's tile: on an H100 (2026-12-07) 32-128 rows and columns at 4 warps all ran within
-# 0.021-0.023 ms for a [3072, 1024] weight (benchmarks/fp8_cast.py --only weight --sweep)
+# a program's tile: 32-128 rows and columns at 4 warps all ran alike on an H100
+# (benchmarks/fp8_cast.py --only weight --sweep; benchmarks/RESULTS.md)
 BLOCK_N, BLOCK_K, NUM_WARPS = 64, 64, 4
 
 

@@ -2,16 +2,16 @@
 
 Under ``Policy(compute=bfloat16)`` the traced step casts each float32 parameter where the
 forward reads it, ``_to_copy(param, dtype=bfloat16)``, and Inductor gives each cast a kernel
-of its own (fused at most with a transpose): at GPT-2 124M about 107 small launches, 0.36 ms
-a step on an H200 for 0.74 GB of traffic (one ``cast_flat`` launch: 0.21 ms).
+of its own (fused at most with a transpose): at GPT-2 124M about 107 small launches, slower
+than one ``cast_flat`` launch moving the same bytes (benchmarks/RESULTS.md).
 ``batch_casts`` replaces every such cast of a step input (a parameter, read directly or
 through ``detach``, ``alias`` or a view to its own shape, as stage 2 hands a rank its local
 tensor) by a view of one ``fsg::cast_flat`` buffer (``kernels/cast_flat.py``: one multi-tensor
 launch at the start of the step), grouped by source and target dtype; an input cast more than
 once is cast once. The values are the same bits (the same rounding of the same float32
 numbers); what changes is when they are written, all at the start, and how long they live:
-the buffer is freed after the last read of any of its views (peak memory +0.07 GiB at 124M,
-+0.22 at 355M on the H200). A cast read by an FP8 ``_scaled_mm`` (its bias) stays its own
+the buffer is freed after the last read of any of its views (a slightly higher peak:
+benchmarks/RESULTS.md). A cast read by an FP8 ``_scaled_mm`` (its bias) stays its own
 kernel: Inductor's lowering of ``_scaled_mm`` cannot take a slice of a larger buffer there.
 So does a cast an all-gather reads (FSDP's shard, cast before its gather): the gathers'
 bucketing (``prefetch.py``) packs each bucket's shards from their casts, into the bucket's
