@@ -94,9 +94,11 @@ CASES: dict[str, Callable[[], str]] = {
     "fp8_rowwise_fused_loss_epilogues": lambda: optimized_text(
         fp8(recipe="rowwise"), fusions=Fusions(on_cpu={"gemm_epilogues", "batch_casts"}), fused_loss=True
     ),
-    "fp8_gated": lambda: optimized_text(fp8(recipe="rowwise"), "gated"),
+    "fp8_gated": lambda: optimized_text(fp8(recipe="rowwise", keep_output_head=False), "gated"),
     "fp8_gated_nomul": lambda: optimized_text(
-        fp8(recipe="rowwise"), "gated", fusions=Fusions(fp8_producers={"gelu_backward", "gelu", "cat"})
+        fp8(recipe="rowwise", keep_output_head=False),
+        "gated",
+        fusions=Fusions(fp8_producers={"gelu_backward", "gelu", "cat"}),
     ),
 }
 
