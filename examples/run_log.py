@@ -65,22 +65,34 @@ class RunLog:
       extra: fields added to every record (e.g. the torchrun attempt).
     """
 
-    def __init__(self, out: Path, *, rank: int, total_steps: int, start_step: int, tokens_per_step: int,
-                 metrics_file: Path, flush_every: int = 10, flops_per_step: float | None = None,
-                 peak: float | None = None, extra: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        out: Path,
+        *,
+        rank: int,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        metrics_file: Path,
+        flush_every: int = 10,
+        flops_per_step: float | None = None,
+        peak: float | None = None,
+        extra: dict | None = None,
+    ):
         self.rank, self.total_steps, self.flush_every = rank, total_steps, flush_every
         self.tokens_per_step, self.flops_per_step, self.peak = tokens_per_step, flops_per_step, peak
         self.extra = extra or {}
         self.records: list[dict] = []  # this process's records, flushed
         self._pending: list[tuple[int, dict]] = []
         self._file = self._rank_log = self.bar = None
+        # The bar starts at the first restart_clock() (after the compile) or flush: a bar shown
+        # during the compile sits at 0 and its rate and ETA count the compile as training.
+        self._bar_pending = rank == 0 and tqdm is not None and sys.stdout.isatty()
+        self._start_step = start_step
         out.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(metrics_file, "a" if start_step else "w")  # noqa: SIM115 - closed by close()
-            if tqdm is not None and sys.stdout.isatty():
-                self.bar = tqdm(initial=start_step, total=total_steps, desc="train", unit="step",
-                                dynamic_ncols=True, mininterval=1.0, file=sys.stdout)  # fmt: skip
         else:
             self._rank_log = open(out / f"rank{rank}.log", "a")  # noqa: SIM115
         self._t_flush, self._untimed = time.perf_counter(), 0
@@ -97,8 +109,23 @@ class RunLog:
 
     def restart_clock(self) -> None:
         """Starts the tokens/s interval now, leaving out the steps held so far (call it after a
-        compile or an evaluation, so that neither counts as training time)."""
+        compile or an evaluation, so that neither counts as training time); the first call starts
+        the progress bar, at the last step held."""
+        self._start_bar(self._pending[-1][0] if self._pending else self._start_step)
         self._t_flush, self._untimed = time.perf_counter(), len(self._pending)
+
+    def _start_bar(self, initial: int) -> None:
+        if self._bar_pending:
+            self._bar_pending = False
+            self.bar = tqdm(
+                initial=initial,
+                total=self.total_steps,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=1.0,
+                file=sys.stdout,
+            )
 
     def step(self, step: int, metrics: dict) -> None:
         """Records ``step``'s metrics (device tensors, held until the next flush)."""
@@ -127,6 +154,7 @@ class RunLog:
         self._pending = []
         self.records += new
         last = new[-1]
+        self._start_bar(self._start_step)
         if self._file is not None:
             self._file.writelines(json.dumps(r) + "\n" for r in new)
             self._file.flush()
@@ -139,8 +167,10 @@ class RunLog:
         else:
             speed = f", {last['tokens_per_s']:,.0f} tokens/s" if last["tokens_per_s"] else ""
             speed += f", MFU {last['mfu']:.1%}" if "mfu" in last else ""
-            self.print(f"step {last['step']}/{self.total_steps}: loss {last['loss']:.4f}, lr {last['lr']:.2e}, "
-                       f"grad norm {last['grad_norm']:.3f}{speed}")  # fmt: skip
+            self.print(
+                f"step {last['step']}/{self.total_steps}: loss {last['loss']:.4f}, lr {last['lr']:.2e}, "
+                f"grad norm {last['grad_norm']:.3f}{speed}"
+            )
         self._t_flush, self._untimed = time.perf_counter(), 0
         return new
 

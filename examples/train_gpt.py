@@ -45,12 +45,34 @@ import fsg.data  # noqa: E402
 
 # Stdlib modules whose source is the default corpus: present wherever Python is.
 CORPUS_MODULES = [
-    "argparse.py", "ast.py", "calendar.py", "collections/__init__.py", "configparser.py",
-    "csv.py", "dataclasses.py", "difflib.py", "enum.py", "fractions.py", "functools.py",
-    "heapq.py", "inspect.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py",
-    "pathlib.py", "pprint.py", "random.py", "shutil.py", "statistics.py", "string.py",
-    "subprocess.py", "textwrap.py", "threading.py", "typing.py", "zipfile.py",
-]  # fmt: skip
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "configparser.py",
+    "csv.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "heapq.py",
+    "inspect.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "pprint.py",
+    "random.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "subprocess.py",
+    "textwrap.py",
+    "threading.py",
+    "typing.py",
+    "zipfile.py",
+]
 
 
 def load_text(path: str | None) -> str:
@@ -81,8 +103,15 @@ class CharData:
     def loader(self, batch_size: int, *, seed: int, mesh=None) -> fsg.data.Loader:
         """The training batches: ``[B, T + 1]`` windows of the train split, each rank its rows."""
         train = fsg.data.Tokens(self.train, name="the train split")
-        return fsg.data.Loader(train, batch_size=batch_size, seq_len=self.block_size, seed=seed, mesh=mesh,
-                               vocab_size=len(self.chars), device=self.device)  # fmt: skip
+        return fsg.data.Loader(
+            train,
+            batch_size=batch_size,
+            seq_len=self.block_size,
+            seed=seed,
+            mesh=mesh,
+            vocab_size=len(self.chars),
+            device=self.device,
+        )
 
     def batch(self, batch_size: int, split: str = "train") -> dict[str, torch.Tensor]:
         ids = self.train if split == "train" else self.val
@@ -145,11 +174,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50, help="warm-up steps (at most a fifth of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
-                   help="muon: Muon for the blocks' weight matrices, AdamW for the rest")  # fmt: skip
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "muon"],
+        help="muon: Muon for the blocks' weight matrices, AdamW for the rest",
+    )
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (--optimizer muon)")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--threads", type=int, help="CPU threads a kernel runs on (default: the cores not busy with other work)"
+    )
     p.add_argument("--sample-every", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -210,8 +246,10 @@ def resume(manager, state, loader, log):
         return state, 0
     saved = manager.restore(latest, like={"train": state, "data": loader.state_dict()})
     loader.restore(saved["data"])
-    log(f"resumed from {manager.step_dir(latest)}: step {int(saved['train'].step)}, "
-        f"data epoch {loader.epoch} position {loader.position}")  # fmt: skip
+    log(
+        f"resumed from {manager.step_dir(latest)}: step {int(saved['train'].step)}, "
+        f"data epoch {loader.epoch} position {loader.position}"
+    )
     return saved["train"], int(saved["train"].step)
 
 
@@ -220,24 +258,63 @@ def make_optimizer(args: argparse.Namespace) -> fsg.optim.GradientTransformation
     weight matrices and AdamW for the embeddings, biases and norms (docs/optimizers.md)."""
 
     def schedule(peak: float) -> fsg.optim.Schedule:
-        return fsg.optim.warmup_cosine(peak, warmup=min(args.warmup, args.steps // 5), total=args.steps, end_value=peak / 10)
+        return fsg.optim.warmup_cosine(
+            peak, warmup=min(args.warmup, args.steps // 5), total=args.steps, end_value=peak / 10
+        )
 
     if args.optimizer == "adamw":
         decay_2d = lambda p: {k: v.ndim >= 2 for k, v in p.items()}  # noqa: E731 - no decay of biases/norms
         return fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay, mask=decay_2d)
-    def groups(p: dict) -> dict:
-        return {k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "decay" if v.ndim == 2 else "no_decay"
-                for k, v in p.items()}  # fmt: skip
 
-    return fsg.optim.multi_transform({
-        "muon": fsg.optim.muon(schedule(args.muon_lr), weight_decay=args.weight_decay),
-        "decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay),
-        "no_decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=0.0),
-    }, groups)  # fmt: skip
+    def groups(p: dict) -> dict:
+        return {
+            k: "muon" if v.ndim == 2 and k.startswith("blocks.") else "decay" if v.ndim == 2 else "no_decay"
+            for k, v in p.items()
+        }
+
+    return fsg.optim.multi_transform(
+        {
+            "muon": fsg.optim.muon(schedule(args.muon_lr), weight_decay=args.weight_decay),
+            "decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=args.weight_decay),
+            "no_decay": fsg.optim.adamw(schedule(args.lr), b2=0.99, weight_decay=0.0),
+        },
+        groups,
+    )
+
+
+def cpu_threads(requested: int | None) -> tuple[int, str]:
+    """The intra-op thread count for a CPU run, and where it came from: ``--threads`` if given;
+    torch's own count where ``OMP_NUM_THREADS`` is set (torchrun sets it to 1 for several ranks);
+    else the cores this process may run on less those other processes keep busy (the 1-minute
+    load average), at least one and at most torch's default (the physical cores).
+
+    Why not every core: at this model's size each Inductor CPU kernel is a short parallel loop
+    ending in a barrier that all its threads must reach. A thread whose core another process
+    holds is descheduled, and the others wait for it a scheduler tick, kernel after kernel:
+    on 2 cores shared with other work, 2 threads ran the same steps 7x slower than 1 (1,050
+    against 7,135 chars/s, the same losses).
+    """
+    if requested:
+        return requested, "--threads"
+    if "OMP_NUM_THREADS" in os.environ:
+        return torch.get_num_threads(), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    threads = max(1, min(cores, torch.get_num_threads(), round(cores - busy)))
+    return threads, f"{cores} cores, load average {busy:.1f}; --threads to choose"
 
 
 def main(argv=None) -> dict:
+    """Trains as the flags say and returns the losses; leaves the caller's thread count as it was."""
     args = parse_args(argv)
+    threads_before = torch.get_num_threads()
+    try:
+        return train(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     mesh = None
     if args.mesh:
@@ -248,6 +325,11 @@ def main(argv=None) -> dict:
     is_main = rank == 0
     out = Path(args.out)
     device = torch.device(args.device)
+    threads = ""
+    if device.type == "cpu":  # before the compile: Inductor's CPU kernels keep the count they were built with
+        n, why = cpu_threads(args.threads)
+        torch.set_num_threads(n)
+        threads = f", {n} thread{'s' if n > 1 else ''} ({why})"
     data = CharData(load_text(args.data), args.block_size, device, args.seed)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     model = GPT(cfg).to(device)
@@ -274,14 +356,25 @@ def main(argv=None) -> dict:
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     metrics_file = Path(args.metrics_file) if args.metrics_file else out / "metrics.jsonl"
-    run = RunLog(out, rank=rank, total_steps=args.steps, start_step=start, metrics_file=metrics_file,
-                 tokens_per_step=args.batch_size * args.block_size, flush_every=args.log_every,
-                 extra={"attempt": attempt} if "TORCHELASTIC_RESTART_COUNT" in os.environ else None)  # fmt: skip
+    run = RunLog(
+        out,
+        rank=rank,
+        total_steps=args.steps,
+        start_step=start,
+        metrics_file=metrics_file,
+        tokens_per_step=args.batch_size * args.block_size,
+        flush_every=args.log_every,
+        extra={"attempt": attempt} if "TORCHELASTIC_RESTART_COUNT" in os.environ else None,
+    )
     log = run.print
-    log(f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
-        f"unigram baseline {data.unigram_entropy:.3f} nats/char")  # fmt: skip
-    log(f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}"
-        + (f"; {mesh!r}" if mesh else ""))  # fmt: skip
+    log(
+        f"data: {len(data.train):,} train chars, vocabulary {len(data.chars)}, "
+        f"unigram baseline {data.unigram_entropy:.3f} nats/char"
+    )
+    log(
+        f"model: {n_params / 1e6:.2f}M params, {args.n_layer} layers, width {args.n_embd}; device {device}{threads}"
+        + (f"; {mesh!r}" if mesh else "")
+    )
     for line in pre_log:
         log(line)
 
@@ -289,11 +382,12 @@ def main(argv=None) -> dict:
     for i in range(start + 1, args.steps + 1):
         batch = next(loader)
         if i == start + 1:
-            log(f"compiling the train step with {args.backend} (forward + backward + {'Muon and AdamW' if args.optimizer == 'muon' else 'AdamW'} in one graph)...")
+            update = "Muon and AdamW" if args.optimizer == "muon" else "AdamW"
+            log(f"compiling the step (first call: forward + backward + {update} as one graph, {args.backend})...")
             t0 = time.perf_counter()
         state, metrics = step(state, batch)
         if i == start + 1:
-            log(f"compiled and ran step {i} in {time.perf_counter() - t0:.1f}s")
+            log(f"compiled in {time.perf_counter() - t0:.1f}s (step {i} included); training, timed from here:")
             if mesh:
                 rows = step.lower(state, batch).collectives()
                 log(
@@ -336,12 +430,19 @@ def main(argv=None) -> dict:
     train_loss = run.records[-1]["loss"] if run.records else losses.get(start, math.nan)
     final_val = val_history[-1][1]
     speed = f"; {(trained - 1) * args.batch_size * args.block_size / elapsed:,.0f} chars/s" if trained > 1 else ""
-    log(f"done: train loss {train_loss:.3f}, validation loss {final_val:.3f} nats/char "
+    log(
+        f"done: train loss {train_loss:.3f}, validation loss {final_val:.3f} nats/char "
         f"(unigram baseline {data.unigram_entropy:.3f}){speed}; loss curve in {out / 'loss.png'}, "
-        f"metrics in {metrics_file}")  # fmt: skip
+        f"metrics in {metrics_file}"
+    )
     run.close()
-    return {"train_loss": train_loss, "val_loss": final_val, "unigram": data.unigram_entropy,
-            "start_step": start, "losses": losses}  # fmt: skip
+    return {
+        "train_loss": train_loss,
+        "val_loss": final_val,
+        "unigram": data.unigram_entropy,
+        "start_step": start,
+        "losses": losses,
+    }
 
 
 if __name__ == "__main__":

@@ -13,7 +13,20 @@ import hf_causal_lm  # noqa: E402
 
 
 def test_gpt2_with_dropout_learns_and_a_seed_reproduces_the_run():
-    args = ["--model", "gpt2", "--dropout", "0.1", "--backend", "eager", "--steps", "10", "--batch-size", "8", "--layers", "1"]
+    args = [
+        "--model",
+        "gpt2",
+        "--dropout",
+        "0.1",
+        "--backend",
+        "eager",
+        "--steps",
+        "10",
+        "--batch-size",
+        "8",
+        "--layers",
+        "1",
+    ]
     first = hf_causal_lm.main(args)
     assert first == hf_causal_lm.main(args)  # bit for bit: the masks come from the state's key
     assert first != hf_causal_lm.main([*args, "--seed", "1"])
