@@ -61,6 +61,7 @@ def compile_step(
       param_sharding: ``fsg.sharding`` rules giving each parameter's spec; default replicated.
       batch_sharding: the spec of every batch leaf; default ``P("dp")`` (dim 0 over the
         ``dp`` axis) when the mesh has a ``dp`` axis. The axes it names are the data axes.
+        A 0-d batch leaf is replicated whatever the spec.
         Pass batches as global tensors (each rank keeps its slice) or as DTensors.
       precision: an ``fsg.Policy``: the dtype params and optimizer state live in, and the
         dtype the loss computes in (default: float32 for both).

@@ -48,9 +48,13 @@ def replicate_rest(tree_: Any, mesh: Mesh) -> Any:
 
 
 def batch_placements(batch_leaves: list, batch_paths: list[str], spec: P, mesh: Mesh) -> list[tuple[Placement, ...]]:
-    """Placements of each batch leaf under ``spec`` (validated against each leaf's shape)."""
+    """Placements of each batch leaf under ``spec`` (validated against each leaf's shape). A 0-d
+    leaf (a loss weight, a temperature) has no dim to shard: it is replicated, as state scalars are."""
     out = []
     for path, leaf in zip(batch_paths, batch_leaves):
+        if leaf.dim() == 0:
+            out.append(tuple(mesh.placements(P())))
+            continue
         mesh.validate(spec, tuple(leaf.shape), path)
         out.append(tuple(mesh.placements(spec)))
     return out
