@@ -162,7 +162,9 @@ def resolve(name: str) -> Impl:
     for suffix in found:
         spec = next(group[suffix] for group in SUFFIXES if suffix in group)
         if not rest.startswith(spec.applies):
-            raise ValueError(f"{name!r}: the suffix {suffix} applies to {spec.applies}* implementations only, not {rest}")
+            raise ValueError(
+                f"{name!r}: the suffix {suffix} applies to {spec.applies}* implementations only, not {rest}"
+            )
         fusions.update(spec.fusions)
         if float8 is not None:
             float8.update(spec.float8)

@@ -121,7 +121,11 @@ def block_masks_built_in_graph(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls (forward and backward) of ``gm`` whose block mask's tensors the
     graph computes (``create_block_mask`` traced with the step), rather than reads as constants
     or inputs (a ``BlockMask`` built outside the step and captured)."""
-    return [node for node, _, tensors in block_masks.block_mask_args(gm) if any(_made_by(t).op == "call_function" for t in tensors)]
+    return [
+        node
+        for node, _, tensors in block_masks.block_mask_args(gm)
+        if any(_made_by(t).op == "call_function" for t in tensors)
+    ]
 
 
 # Refused under Inductor: a block mask the step computes. On CUDA its gradients were measured wrong
@@ -171,7 +175,9 @@ def refuse_block_masks_built_in_graph(gm: fx.GraphModule, devices: tuple[str, ..
 def per_sequence_block_masks(gm: fx.GraphModule) -> list[fx.Node]:
     """The FlexAttention calls of ``gm`` whose block mask has a batch dim (one mask a sequence:
     its first tensor, ``kv_num_blocks``, is ``[B, H, query blocks]`` with ``B > 1``)."""
-    return [node for node, _, tensors in block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1]
+    return [
+        node for node, _, tensors in block_masks.block_mask_args(gm) if tensors and tensors[0].meta["val"].shape[0] > 1
+    ]
 
 
 def refuse_per_sequence_block_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> None:

@@ -128,9 +128,14 @@ class InductorStep:
         self._num_outputs = keep_rng_state_alive(gm)
         views.views_as_reshapes(gm)
         if rewritten := add_alpha.scaled_adds_as_products(gm):
-            log.info("fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)", rewritten)
+            log.info(
+                "fsg: stage 4: %d add(x, y, alpha) as add(x, y * alpha) (an Inductor addmm-pattern miscompile)",
+                rewritten,
+            )
         if rewritten := index_put.scatter_accumulating_index_puts(gm):
-            log.info("fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten)
+            log.info(
+                "fsg: stage 4: %d accumulating index_put(s) as scatter_add (an Inductor CPU miscompile)", rewritten
+            )
         if rewritten := flex_attention.own_buffers_for_cpu_flex_attention(gm):
             log.info("fsg: stage 4: %d CPU flex_attention call(s) given own query, key and value buffers", rewritten)
         self._gm = gm

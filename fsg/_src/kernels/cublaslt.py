@@ -126,7 +126,9 @@ def _layout(dtype: int, rows: int, cols: int, ld: int) -> int:
     key = (dtype, rows, cols, ld)
     if key not in _LAYOUTS:  # kept for the process: a handful of shapes a model
         desc = ctypes.c_void_p()
-        _check(_lib().cublasLtMatrixLayoutCreate(ctypes.byref(desc), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+        _check(
+            _lib().cublasLtMatrixLayoutCreate(ctypes.byref(desc), dtype, rows, cols, ld), "cublasLtMatrixLayoutCreate"
+        )
         _LAYOUTS[key] = desc.value
     return _LAYOUTS[key]
 
@@ -194,7 +196,11 @@ def _matmul(a, b, epilogue: int, bias, aux, algo: int) -> torch.Tensor:
     desc = ctypes.c_void_p()
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
     try:
-        attrs = [(_TRANSA, ctypes.c_int32(op_b)), (_TRANSB, ctypes.c_int32(op_a)), (_EPILOGUE, ctypes.c_uint32(epilogue))]
+        attrs = [
+            (_TRANSA, ctypes.c_int32(op_b)),
+            (_TRANSB, ctypes.c_int32(op_a)),
+            (_EPILOGUE, ctypes.c_uint32(epilogue)),
+        ]
         if bias is not None:
             attrs.append((_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr())))
         if aux is not None:
@@ -202,7 +208,20 @@ def _matmul(a, b, epilogue: int, bias, aux, algo: int) -> torch.Tensor:
         for attr, value in attrs:
             status = lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value))
             _check(status, f"cublasLtMatmulDescSetAttribute({attr})")
-        key = (dtype, M, N, K, op_a, op_b, epilogue, _alignment(b), _alignment(a), _alignment(out), _alignment(bias), _alignment(aux))
+        key = (
+            dtype,
+            M,
+            N,
+            K,
+            op_a,
+            op_b,
+            epilogue,
+            _alignment(b),
+            _alignment(a),
+            _alignment(out),
+            _alignment(bias),
+            _alignment(aux),
+        )
         candidates = _algos(handle, desc, (layout_b, layout_a, layout_d), key)
         if algo >= len(candidates):
             raise CublasLtError(f"fsg: cuBLASLt offers {len(candidates)} algorithms here, not {algo + 1}")
@@ -239,7 +258,9 @@ def _algos(handle: int, desc, layouts: tuple, key: tuple) -> list[_HeuristicResu
     lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_ALIGN_C, ctypes.byref(value), 4)
     results, count = (_HeuristicResult * CANDIDATES)(), ctypes.c_int(0)
     b, a, d = layouts
-    status = lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, b, a, d, d, pref, CANDIDATES, results, ctypes.byref(count))
+    status = lib.cublasLtMatmulAlgoGetHeuristic(
+        handle, desc, b, a, d, d, pref, CANDIDATES, results, ctypes.byref(count)
+    )
     lib.cublasLtMatmulPreferenceDestroy(pref)
     _check(status, "cublasLtMatmulAlgoGetHeuristic")
     if count.value == 0:

@@ -191,7 +191,9 @@ class Step:
     def _signature(self, state: Any, batch: Any) -> tuple[Signature, list, list]:
         state_leaves, state_def = tree.flatten(state)
         batch_leaves, batch_def = tree.flatten(batch)
-        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves) and tree.check_tensor_leaves(batch, "batch"):
+        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves) and tree.check_tensor_leaves(
+            batch, "batch"
+        ):
             batch_leaves, batch_def = tree.flatten(batch)  # a mapping inside, seen for the first time: now a node
         if self._structure is not None:
             if state_def != self._structure[0]:
