@@ -40,7 +40,7 @@ def trace_forward(
         gm = purity.trace(forward, *leaves, *batch_leaves, source_lines=False, decompositions=None)
         gm = _torch_private.functionalize(gm)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and _torch_private.draws_random(node.target):
+        if node.op == "call_function" and _draws(node):
             raise UnsupportedError(
                 f"loss_fn draws random numbers ({_torch_private.op_name(node.target)}, e.g. dropout); a pipeline "
                 f"step does not carry the step's random key across stages yet. Turn dropout off (p=0) for now"
@@ -48,3 +48,15 @@ def trace_forward(
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, tuple(aux_names)
+
+
+def _draws(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: an attention's only with a nonzero ``dropout_p``."""
+    if not _torch_private.draws_random(node.target):
+        return False
+    names = _torch_private.arg_names(node.target)
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else 0.0)
+    return p != 0.0

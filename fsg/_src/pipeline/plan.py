@@ -71,10 +71,23 @@ def batch_signature(batch: Any) -> Any:
     return treedef, tree.leaf_specs(leaves)
 
 
+# optimizers found to update each parameter from its own gradient, by (optimizer, params' signature):
+# tracing the update costs seconds, and a run builds several steps with one optimizer
+_PER_PARAMETER: set[tuple] = set()
+
+
 def check_per_parameter(optimizer: GradientTransformation, params: dict[str, torch.Tensor]) -> None:
     """Raises ``UnsupportedError`` if the optimizer's update of a parameter reads another
     parameter's gradient (``clip_by_global_norm``, a norm over all updates): each pipeline rank
     updates only its own parameters, so such an update would see a part of the gradients."""
+    key = (optimizer, tuple((n, tuple(p.shape), p.dtype) for n, p in params.items()))
+    if key in _PER_PARAMETER:
+        return
+    _check_per_parameter(optimizer, params)
+    _PER_PARAMETER.add(key)
+
+
+def _check_per_parameter(optimizer: GradientTransformation, params: dict[str, torch.Tensor]) -> None:
     names = list(params)
     n = len(names)
 
@@ -83,8 +96,9 @@ def check_per_parameter(optimizer: GradientTransformation, params: dict[str, tor
         updates, _ = optimizer.update(grads, optimizer.init(current), current)
         return tuple(updates[k] for k in names)
 
-    leaves = list(params.values())
-    gm = _torch_private.trace_fake(update, *leaves, *leaves)
+    # distinct stand-ins for the gradients and the params (one tensor twice would trace as one input)
+    grads, current = ([torch.empty_like(p, device="meta") for p in params.values()] for _ in range(2))
+    gm = _torch_private.trace_fake(update, *grads, *current)
     reads: dict[Any, frozenset[int]] = {}
     for i, node in enumerate(gm.graph.nodes):
         if node.op == "placeholder":
