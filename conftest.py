@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the doctest namespace and the hypothesis profiles."""
+"""Shared pytest set-up: the environment, the doctest namespace, the hypothesis profiles and the
+slow tier (docs/testing.md)."""
 
 import os
 from pathlib import Path
@@ -11,6 +12,11 @@ if not Path("/dev/nvidiactl").exists():
 # Every stage-3 graph pass is checked for its invariants (fsg/_src/passes/invariants.py), here
 # and in the ranks the distributed tests start (they inherit the environment).
 os.environ.setdefault("FSG_CHECK_PASSES", "1")
+# One intra-op thread in each test process and each rank it starts: pytest-xdist already runs a
+# worker per core, and a rank pool's 2-4 processes share the cores too. A second thread per
+# process only waits at every kernel's closing barrier for a core another process holds
+# (examples/train_gpt.py's cpu_threads measured 7x slower steps so). Read by torch at import.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -35,3 +41,31 @@ def pytest_configure(config):
     # An unexpected recompile is a test failure (set here, after TRITON_INTERPRET, since the
     # ini filter would import fsg, and so torch and triton, before this file runs).
     config.addinivalue_line("filterwarnings", "error::fsg.RecompileWarning")
+
+
+# The slow tier: `python -m pytest -m "not slow"` leaves these out (docs/testing.md). Whole
+# folders whose every test starts processes or builds a model corpus, the Inductor and torchrun
+# markers, every test on a pool of ranks, and the tests measured slowest elsewhere; FAST keeps a
+# few representative ones in the fast tier, so that it still runs a sharded step.
+SLOW_FOLDERS = ("tests/dist/", "tests/models/", "tests/resume/", "tests/examples/", "tests/pipeline/")
+SLOW_MARKERS = ("inductor", "torchrun")
+SLOW_TESTS = ()  # node ids or their prefixes (a file, a test without its parameters)
+FAST = ()
+
+
+def _is_slow(item) -> bool:
+    nodeid = item.nodeid
+    if nodeid.startswith(FAST):
+        return False
+    return (
+        nodeid.startswith(SLOW_FOLDERS + SLOW_TESTS)
+        or any(item.get_closest_marker(m) for m in SLOW_MARKERS)
+        or "ranks" in getattr(item, "fixturenames", ())
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
