@@ -117,29 +117,3 @@ def pipeline_matches_unsharded(model, layers, schedule, virtual, split_points, a
     for name, p in ref_state.params.items():
         worst = max(worst, float((full[name] - p).abs().max()))
     return worst, in_order
-
-
-def measured_bubble(schedule, accum, layers=8, steps=3):
-    """The last of ``steps`` calls' measured timeline on every rank (gathered), and the
-    simulator's prediction from the measured per-action durations: ``(measured, predicted)``."""
-    from fsg.pipeline import Timeline, simulate
-
-    pp = dist.get_world_size()
-    loss_fn, params, batch = problem("mlp", layers, 64 * accum)
-    step = fsg.compile_step(
-        loss_fn,
-        fsg.testing.mesh({"pp": pp}),
-        optimizer=fsg.optim.sgd(1e-3),
-        accum_steps=accum,
-        backend="aot_eager",
-        pipeline=fsg.Pipeline(schedule=schedule),
-    )
-    state = step.init(params, batch=batch)
-    for _ in range(steps):
-        dist.barrier()
-        state, _ = step(state, batch)
-    events = [None] * pp
-    dist.all_gather_object(events, step.events)
-    timeline = Timeline(step.schedule().schedule, tuple(tuple(e) for e in events))
-    durations = {e.action: e.end - e.start for rank in events for e in rank}
-    return timeline.bubble, simulate(timeline.schedule, durations).bubble
