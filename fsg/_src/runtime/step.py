@@ -83,7 +83,6 @@ class Step:
             cuda_graph=cuda_graph, bucket_mb=bucket_mb,
             skip_nonfinite=skip_nonfinite, check_replicas=check_replicas, fused_loss=fused_loss, fusions=fusions,
         )  # fmt: skip
-        self._fusions = fusions  # fixed for the step, so its cache (by signature and flags) is keyed by them
         skip, skip_policy = nonfinite.resolve(skip_nonfinite)
         self._watchdog = nonfinite.Watchdog(skip_policy)
         self._replica_check = replicas.ReplicaCheck(check_replicas)  # every N calls: docs/resilience.md
@@ -191,9 +190,8 @@ class Step:
     def _signature(self, state: Any, batch: Any) -> tuple[Signature, list, list]:
         state_leaves, state_def = tree.flatten(state)
         batch_leaves, batch_def = tree.flatten(batch)
-        if not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves) and tree.check_tensor_leaves(
-            batch, "batch"
-        ):
+        mapping_inside = not all(isinstance(leaf, torch.Tensor) for leaf in batch_leaves)
+        if mapping_inside and tree.check_tensor_leaves(batch, "batch"):
             batch_leaves, batch_def = tree.flatten(batch)  # a mapping inside, seen for the first time: now a node
         if self._structure is not None:
             if state_def != self._structure[0]:
@@ -233,7 +231,7 @@ class Step:
             )
         with watch.recording(self._flags):  # the modules' flags the trace reads: part of the key
             built = self._builder.build(state, batch)
-        fn = backend_lib.compile_graph(built.graph, self._backend, self._fusions)
+        fn = backend_lib.compile_graph(built.graph, self._backend, self._config["fusions"])  # fixed for the step
         leaves = [*tree.flatten(state)[0], *tree.flatten(batch)[0]]
         if cudagraph.wanted(self._cuda_graph, on_mesh=self._mesh is not None, donate=self._donate, leaves=leaves):
             fn = cudagraph.GraphedStep(fn, built.traced.num_state_leaves, strict=bool(self._cuda_graph))
