@@ -242,6 +242,9 @@ CASES = {
     "an op with a data-dependent output shape (F.ctc_loss)": Case(lambda t: first_step(loss_fn=lambda p, b: torch.nn.functional.ctc_loss(
         fsg.apply(MODEL, p, b["x"]).log_softmax(-1)[:, None], torch.tensor([[1]]), [b["x"].shape[0]], [1])),
         fsg.UnsupportedError, ("aten._ctc_loss", "output shape", "test_bad_input.py")),
+    "masked_select by a captured mask (every backend; AOTAutograd and Inductor crashed in torch)": Case(
+        lambda t: first_step(loss_fn=lambda p, b: LOSS(p, b) + p["0.bias"].masked_select(torch.arange(32) % 3 == 0).sum()),
+        fsg.UnsupportedError, ("aten.masked_select", "output shape", "test_bad_input.py")),
     "a BatchNorm buffer not in the state": Case(lambda t: first_step(loss_fn=lambda p, b: fsg.apply(BN, p, b["x"]).square().mean(),
         state=lambda s: s.init(fsg.params(BN))), fsg.ImpureLossError, ("a tensor the step was not given", "fsg.buffers(model)")),
     "a module parameter read outside fsg.apply": Case(lambda t: first_step(

@@ -52,6 +52,32 @@ def test_a_compiled_step_with_multilabel_margin_loss_trains_as_eager(backend):
     torch.testing.assert_close(state.params["w"], (ref - 0.5 * ref.grad).detach())
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 4), max_size=3), st.lists(st.integers(0, 3), max_size=2), st.integers(0, 2**16))
+def test_take_equals_the_eager_op(shape, index_shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    index = torch.randint(-x.numel(), x.numel(), index_shape, generator=gen)
+    got, want = decompositions.take(x, index), torch.take(x, index)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+
+
+def test_a_compiled_step_taking_by_a_0_d_index_trains_as_eager():
+    """Inductor failed on it with torch's decomposition of ``take`` (``GuardOnDataDependentSymNode``)."""
+    index = torch.tensor(-2)
+    loss_fn = lambda p, b: (p["w"].take(index) * p["w"].sum()).exp()  # noqa: E731
+    w = torch.tensor([[0.3, -0.2], [0.1, 0.4]], dtype=torch.float64)
+    step = fsg.compile_step(loss_fn, optimizer=fsg.optim.sgd(0.5), backend="inductor", donate=False)
+    state, metrics = step(step.init({"w": w}), {})
+
+    ref = w.clone().requires_grad_()
+    loss = loss_fn({"w": ref}, {})
+    loss.backward()
+    torch.testing.assert_close(metrics["loss"], loss.detach())
+    torch.testing.assert_close(state.params["w"], (ref - 0.5 * ref.grad).detach())
+
+
 @st.composite
 def batch_norm_cases(draw):
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))

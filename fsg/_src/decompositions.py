@@ -53,8 +53,18 @@ def multilabel_margin_loss_forward(x: torch.Tensor, target: torch.Tensor, reduct
     return loss, is_target.to(x.dtype).reshape(target.shape)
 
 
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.take(index)``: ``x`` flattened, indexed by ``index`` (negative entries from the end).
+    torch's decomposition (through 2.13) writes it as ``flattened[index]``, which Python reads
+    as an integer index where ``index`` is 0-d: a host read of its value, so Inductor failed on
+    the step (``GuardOnDataDependentSymNode``; OpInfo's 0-d ``put`` sample, whose backward
+    takes). ``aten.index`` takes a 0-d index tensor as a tensor."""
+    return _aten.index.Tensor(x.reshape(-1), [index])
+
+
 CORRECTIONS: dict[Any, Callable[..., Any]] = {
     _aten.multilabel_margin_loss_forward.default: multilabel_margin_loss_forward,
+    _aten.take.default: take,
 }
 
 

@@ -104,12 +104,48 @@ def trace(fn: Callable[..., Any], *inputs: Any, source_lines: bool, decompositio
         where = user_frame(traceback.extract_tb(exc.__traceback__))
         raise host_sync_error(where, f"a tensor's value used as a Python number, such as a size: {exc}") from exc
     except _torch_private.DYNAMIC_SHAPE_ERROR as exc:  # (F.ctc_loss, say)
-        op = _torch_private.op_name(getattr(exc, "func", None))
-        raise UnsupportedError(
-            f"loss_fn calls {op} at {user_frame(traceback.extract_tb(exc.__traceback__))}, an op whose output "
-            f"shape torch cannot know without the data, so a compiled step (one static graph) cannot hold it. "
-            f"fsg does not support it yet; compute that loss another way, or outside the compiled step."
-        ) from exc
+        func = getattr(exc, "func", None)
+        raise dynamic_shape_error(func, user_frame(traceback.extract_tb(exc.__traceback__))) from exc
+
+
+def dynamic_shape_error(op: Any, where: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"loss_fn calls {_torch_private.op_name(op)} at {where}, an op whose output shape torch cannot "
+        f"know without the data, so a compiled step (one static graph) cannot hold it. fsg does not "
+        f"support it yet; compute that loss another way (a mask multiplied in, torch.where, a fixed "
+        f"number of indices), or outside the compiled step."
+    )
+
+
+def dynamic_shape_op(gm: fx.GraphModule) -> Any:
+    """The first op of the graph whose output shape only its inputs' values give (``masked_select``,
+    ``nonzero``, ``unique``, ``index`` by a bool mask...), or ``None``.
+
+    Such an op reaches a traced graph only where its inputs are constants of ``loss_fn`` (a
+    ``masked_select`` by a captured mask): tracing computes its shape from their values, but
+    AOTAutograd and Inductor re-trace the graph on fakes of the constants and fail inside torch
+    (``DynamicOutputShapeException``; ``u0 possible memo disaster``). Refused at stage 1, as the
+    same op on a traced input is, on every backend. An op tagged ``dynamic_output_shape`` is
+    tried on fakes of its inputs' shapes: ``index`` by integer indices has a shape all the same."""
+    mode = _torch_private.fake_mode()
+
+    def fake(a: Any) -> Any:
+        value = getattr(gm, a.target) if a.op == "get_attr" else a.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, _torch_private.OpOverload):
+            continue
+        if torch.Tag.dynamic_output_shape not in node.target.tags:
+            continue
+        try:
+            with mode:
+                node.target(*fx.node.map_arg(node.args, fake), **fx.node.map_arg(node.kwargs, fake))
+        except (_torch_private.DYNAMIC_SHAPE_ERROR, *_torch_private.DATA_DEPENDENT_ERRORS):
+            return node.target
+    return None
 
 
 _NOT_A_TENSOR = re.compile(r"must be Tensor, not (list|tuple)")

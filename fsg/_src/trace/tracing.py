@@ -261,6 +261,9 @@ def trace(
                 raise found from exc
         raise
 
+    if (dynamic := purity.dynamic_shape_op(gm)) is not None:
+        where = purity.locate(loss_fn, state.params, batch, state.buffers, dynamic)
+        raise purity.dynamic_shape_error(dynamic, where or "(source line unknown)")
     batch_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"][n_state:]
     if purity.has_host_sync(gm) or purity.writes_to_inputs(gm, set(batch_inputs)):
         # The graph breaks a rule; re-run the loss alone to find the source line.
