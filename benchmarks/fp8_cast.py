@@ -1,4 +1,4 @@
-"""The fused rowwise FP8 cast kernels (``fsg/_src/kernels/float8_cast.py``) beside Inductor's
+"""The fused rowwise FP8 cast kernels (``fsg/_src/kernels/fp8/cast.py``) beside Inductor's
 code for the same unfused ops, and a sweep of their tilings, in one run on one GPU.
 
     python benchmarks/fp8_cast.py                # 355M and 1.3B shapes, markdown to stdout
@@ -28,10 +28,10 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from fsg._src.kernels import float8_cast as K
-from fsg._src.kernels import layer_norm_fp8 as LN
-from fsg._src.kernels import weight_fp8 as WF
 from fsg._src.kernels._common import RowTiling
+from fsg._src.kernels.fp8 import cast as K
+from fsg._src.kernels.fp8 import layer_norm as LN
+from fsg._src.kernels.fp8 import weight as WF
 
 M = 16384
 # the sweep's tilings: rows a tile, programs (0: one a tile, no loop), warps, software-pipeline

@@ -24,9 +24,9 @@ Implementations (--impl), each in its own process:
   fsg-unfused  the same with fused_loss=False: the loss traced as the model writes it
   fsg-fp8   fsg with Float8(recipe="rowwise", fast_accum=("forward", "grad_input")): the
             linear layers' forward and grad-input matmuls in FP8, the casts fused into their
-            producers (the gated MLP's: kernels/gated_fp8.py)
+            producers (the gated MLP's: kernels/fp8/gated.py)
   fsg-fp8-nogated  the same without the gated MLP's fused casts (Inductor computes them):
-            what kernels/gated_fp8.py is measured against
+            what kernels/fp8/gated.py is measured against
   compile-fp8-row  compile after torchao's convert_to_float8_training (rowwise), the head in
             bf16: the layer-by-layer FP8 baseline (torchao carried to the GPU machine)
 Step time: mean over --steps timed steps after --warmup (the first compiles). Peak memory:

@@ -1,4 +1,4 @@
-"""FP8 matmuls (``Policy(matmul=fsg.Float8())``, issue 18): the stage-3 pass ``passes/float8.py``.
+"""FP8 matmuls (``Policy(matmul=fsg.Float8())``, issue 18): the stage-3 pass ``passes/float8/matmuls.py``.
 
 The rewrite is checked on small traced joint graphs (which matmuls become ``_scaled_mm``, the
 FP8 dtypes of their operands, the casts shared, what stays and the log line saying why) and on
@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fsg
 from fsg._src.errors import UnsupportedError
-from fsg._src.passes import float8 as float8_pass
+from fsg._src.passes.float8 import matmuls as float8_pass
 from fsg._src.passes.options import Fusions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))

@@ -1,4 +1,4 @@
-"""``fsg.Float8(filter="auto")``: the float8 pass's cost model (``passes/float8_cost.py``).
+"""``fsg.Float8(filter="auto")``: the float8 pass's cost model (``passes/float8/cost.py``).
 
 The selection is checked against brute force over hypothesis-drawn layers, casts and costs; the
 model's pricing on small joint graphs (a cast fused into a layer norm costs its write alone, an
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import fsg
 from fsg._src.errors import ArgumentError
-from fsg._src.passes import float8 as float8_pass
-from fsg._src.passes import float8_cost
+from fsg._src.passes.float8 import cost as float8_cost
+from fsg._src.passes.float8 import matmuls as float8_pass
 from fsg._src.passes.options import Fusions
 from tests.test_float8 import _gpt_batches, _gpt_step, joint
 

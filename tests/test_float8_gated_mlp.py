@@ -1,7 +1,7 @@
 """The float8 pass on a gated MLP, ``down(act(gate(x)) * up(x))`` with a SiLU (SwiGLU) or a
 GELU (GeGLU): under rowwise scaling the three tensors its FP8 matmuls read in rows (the
 product, the up-projection's output gradient, the gate's) are each cast in the op that
-computes them (``kernels/gated_fp8.py``), and the step equals the unfused one."""
+computes them (``kernels/fp8/gated.py``), and the step equals the unfused one."""
 
 import pytest
 import torch

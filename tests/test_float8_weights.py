@@ -1,5 +1,5 @@
 """The float8 pass's fusion of a weight's two rowwise casts into one op from its float32 master
-(``fsg::weight_fp8``, ``passes/float8_weights.py``, ``Fusions.fp8_weights``): where it applies, and
+(``fsg::weight_fp8``, ``passes/float8/weights.py``, ``Fusions.fp8_weights``): where it applies, and
 that the step is the unfused one (on CPU the op runs the unfused graph's casts: bit for bit)."""
 
 import pytest
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsg
-from fsg._src.passes import float8_weights
+from fsg._src.passes.float8 import weights as float8_weights
 from fsg._src.passes.options import Fusions
 from tests.test_float8 import (
     GPT_CFG,

@@ -523,7 +523,7 @@ def test_fake_tensor_log_is_the_logger_that_reports_failed_meta_calls():
 
 
 def test_scaled_mm_is_torchs_fp8_gemm():
-    """The call ``passes/float8_cost.py`` times: e4m3 operands, tensorwise scales, bf16 out."""
+    """The call ``passes/float8/cost.py`` times: e4m3 operands, tensorwise scales, bf16 out."""
     a = torch.randn(16, 32).to(torch.float8_e4m3fn)
     b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
     out = _torch_private.scaled_mm(a, b, torch.ones(()), torch.ones(()), out_dtype=torch.bfloat16, use_fast_accum=False)

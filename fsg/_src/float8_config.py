@@ -1,5 +1,5 @@
 """``fsg.Float8``: which matmuls run in FP8 and how (the configuration ``Policy(matmul=...)`` takes;
-the pass that applies it is ``passes/float8.py``)."""
+the pass that applies it is ``passes/float8/matmuls.py``)."""
 
 from __future__ import annotations
 

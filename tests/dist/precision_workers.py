@@ -194,7 +194,7 @@ def float8_auto_agrees_across_ranks(axes: dict, policy: str) -> tuple[int, list[
     """``Float8(filter="auto")`` on a mesh whose ranks measure opposite things (rank 0: FP8
     saves time, rank 1: it costs time): the ``_scaled_mm`` count of this rank's step and its
     losses over two steps (rank 0's choice everywhere: the steps run, their collectives match)."""
-    from fsg._src.passes import float8_cost
+    from fsg._src.passes.float8 import cost as float8_cost
 
     rank = torch.distributed.get_rank()
     before = float8_cost.timer_for

@@ -23,7 +23,7 @@ def test_float8_on_data_parallel_and_fsdp_equals_the_unsharded_step(ranks, prese
     )
     assert bf16[:2] == (0, 0)
     assert rowwise[0] >= 8  # forward and grad-input of qkv, proj, fc, fc_proj
-    assert rowwise[1] >= 1  # the MLP's GELU gradient: cast and bias sums fused (kernels/float8_cast.py)
+    assert rowwise[1] >= 1  # the MLP's GELU gradient: cast and bias sums fused (kernels/fp8/cast.py)
     assert rowwise[2] == bf16[2]  # a row's scale needs no collective
     assert tensorwise[0] >= 12  # forward, grad-input and grad-weight of the same four layers
     assert tensorwise[2] > bf16[2]  # the amax all-reduces

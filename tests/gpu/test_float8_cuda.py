@@ -198,11 +198,11 @@ def test_the_rowwise_step_under_inductor_stays_causal():
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("shape", [(16, 1024, 3072), (3, 100, 200), (2048, 8192)])
 def test_fused_gelu_backward_fp8_kernel_matches_the_unfused_ops(shape, approximate):
-    """The Triton kernel (kernels/float8_cast.py) on bf16: ``g`` to aten's ``gelu_backward``
+    """The Triton kernel (kernels/fp8/cast.py) on bf16: ``g`` to aten's ``gelu_backward``
     within a bf16 step (its exp/erf may differ in the last bit), the FP8 copy bit for bit the
     cast of the kernel's own ``g`` with its own scales, the scales and column sums to the
     reference's."""
-    from fsg._src.kernels import float8_cast as K
+    from fsg._src.kernels.fp8 import cast as K
 
     g_ = torch.Generator(device="cuda").manual_seed(0)
     dy = (torch.randn(shape, generator=g_, device="cuda") * 1e-3).bfloat16()
@@ -249,7 +249,7 @@ def test_rowwise_gpt_step_with_the_fused_kernel_equals_the_unfused_step():
 def test_rowwise_fp8_kernel_matches_the_unfused_ops(shape):
     """``fsg::rowwise_fp8`` on bf16: the FP8 copy bit for bit torch's cast with the reference's
     scales, the scales and column sums to the reference's."""
-    from fsg._src.kernels import float8_cast as K
+    from fsg._src.kernels.fp8 import cast as K
 
     x = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 3).bfloat16()
     q, inv, colsum, colamax = K.rowwise_fp8(x, True)
@@ -266,7 +266,7 @@ def test_fused_gelu_fp8_kernel_matches_the_unfused_ops(shape, approximate):
     """``fsg::gelu_fp8`` on bf16: the activation to aten's ``gelu`` (last-bit differences of
     erf/tanh), the FP8 copy bit for bit the cast of the kernel's own activation with its own
     scales, the scales to the reference's."""
-    from fsg._src.kernels import float8_cast as K
+    from fsg._src.kernels.fp8 import cast as K
 
     h = (torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(0), device="cuda") * 2).bfloat16()
     a, q, inv, colamax = K.gelu_fp8(h, approximate, True)
@@ -285,7 +285,7 @@ def test_fused_cat_kernel_reads_attention_gradients_in_place(shape, pieces):
     read as [B, T, C] rows) and on transposed pieces ([B, H, T, D], copied to rows first): the
     concatenation bit for bit, the FP8 copy the cast of it with the kernel's scales, scales
     and column sums to the reference's."""
-    from fsg._src.kernels import float8_cast as K
+    from fsg._src.kernels.fp8 import cast as K
 
     B, T, H, D = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -308,7 +308,7 @@ def test_layer_norm_fp8_kernel_matches_the_unfused_ops(shape, affine):
     """``fsg::layer_norm_fp8`` on bf16: ``y`` to aten's layer norm within bf16's rounding (the
     sums' order differs), the statistics as aten returns them (float32, ``[..., 1]``) to
     float32 rounding, the FP8 copy the cast of the kernel's own ``y`` with its own scales."""
-    from fsg._src.kernels import layer_norm_fp8 as L
+    from fsg._src.kernels.fp8 import layer_norm as L
 
     g_ = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(shape, generator=g_, device="cuda") * 2 + 0.5).bfloat16()
@@ -331,7 +331,7 @@ def test_layer_norm_fp8_kernel_matches_the_unfused_ops(shape, affine):
 def test_add_layer_norm_fp8_writes_the_bf16_sum_and_normalizes_it(shape):
     """``fsg::add_layer_norm_fp8``: the sum bit for bit the bf16 add's, the rest as
     ``fsg::layer_norm_fp8`` of that sum."""
-    from fsg._src.kernels import layer_norm_fp8 as L
+    from fsg._src.kernels.fp8 import layer_norm as L
 
     g_ = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(shape, generator=g_, device="cuda").bfloat16() for _ in range(2))
@@ -372,9 +372,9 @@ def test_a_pipelined_row_loop_writes_what_the_plain_loop_writes(producer, stages
     """``RowTiling(stages=)`` (``tl.range(num_stages=)``: the next rows' loads in flight) changes
     no output bit of the cast and layer-norm kernels, at a shape whose programs walk several
     rows and end in a partial iteration."""
-    from fsg._src.kernels import float8_cast as K
-    from fsg._src.kernels import layer_norm_fp8 as LN
     from fsg._src.kernels._common import RowTiling
+    from fsg._src.kernels.fp8 import cast as K
+    from fsg._src.kernels.fp8 import layer_norm as LN
 
     M, C = 3001, 1024
     g_ = torch.Generator(device="cuda").manual_seed(stages)

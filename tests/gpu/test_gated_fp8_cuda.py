@@ -1,4 +1,4 @@
-"""The gated MLP's fused FP8 casts (``kernels/gated_fp8.py``) on CUDA, in bf16: each kernel
+"""The gated MLP's fused FP8 casts (``kernels/fp8/gated.py``) on CUDA, in bf16: each kernel
 against the unfused aten ops, and a Llama-style step under Inductor with the casts fused
 against the step whose casts Inductor computes (skipped without a GPU)."""
 
@@ -25,7 +25,7 @@ def test_fused_gated_kernels_match_the_unfused_ops(shape, op, activation):
     """``g`` to aten's ops (their exp/erf may differ from Triton's in the last bit), the FP8
     copy the cast of the kernel's own ``g`` with its own scales, the scales and column sums to
     the reference's, the column maxima exactly the kernel's ``g``'s."""
-    from fsg._src.kernels import gated_fp8 as G
+    from fsg._src.kernels.fp8 import gated as G
 
     if op == "gated_backward" and activation != "silu":
         pytest.skip("a GELU's gradient without a factor is gelu_backward_fp8's (test_float8_cuda.py)")

@@ -17,7 +17,7 @@ def test_the_kernel_is_the_unfused_casts(shape, round_to):
     rounds: the maxima are exact) cast with their own scales; the inverse scales are the
     reference's to Triton's float32 division (1 ulp: ``assert_fp8_cast``), with a zero row and a
     zero column among them at finite scales; layouts and dtypes are the reference's."""
-    from fsg._src.kernels import weight_fp8 as W
+    from fsg._src.kernels.fp8 import weight as W
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(shape, generator=g, device="cuda") * torch.rand(shape[0], 1, generator=g, device="cuda") * 0.05

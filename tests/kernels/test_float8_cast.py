@@ -13,9 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsg._src.kernels import float8_cast as K
-from fsg._src.kernels import float8_cast_kernel as KK
 from fsg._src.kernels._common import RowTiling
+from fsg._src.kernels.fp8 import cast as K
+from fsg._src.kernels.fp8 import cast_kernel as KK
 from tests.kernels.common import KERNEL, needs_triton, rel
 
 

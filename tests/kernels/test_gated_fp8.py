@@ -1,4 +1,4 @@
-"""The gated MLP's fused FP8 casts (``kernels/gated_fp8.py``: ``act(x) * h`` and the
+"""The gated MLP's fused FP8 casts (``kernels/fp8/gated.py``: ``act(x) * h`` and the
 activation's gradient with and without its product's factor, for a SiLU and both GELUs) under
 Triton's CPU interpreter, against the eager references, which are the unfused graph's aten ops.
 
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsg._src.kernels import gated_fp8 as G
 from fsg._src.kernels._common import RowTiling
-from fsg._src.kernels.float8_cast_kernel import ACTIVATIONS, launch
+from fsg._src.kernels.fp8 import gated as G
+from fsg._src.kernels.fp8.cast_kernel import ACTIVATIONS, launch
 from tests.kernels.common import KERNEL, needs_triton, rel
 
 # (kernel producer, activation, takes the factor y): every gated producer the kernel has

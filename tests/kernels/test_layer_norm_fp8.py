@@ -10,9 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fsg._src.kernels import float8_cast as K
-from fsg._src.kernels import layer_norm_fp8 as L
 from fsg._src.kernels._common import RowTiling
+from fsg._src.kernels.fp8 import cast as K
+from fsg._src.kernels.fp8 import layer_norm as L
 from tests.kernels.common import KERNEL, needs_triton, rel
 
 

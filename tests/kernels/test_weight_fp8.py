@@ -12,8 +12,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fsg._src.kernels import float8_cast as K
-from fsg._src.kernels import weight_fp8 as W
+from fsg._src.kernels.fp8 import cast as K
+from fsg._src.kernels.fp8 import weight as W
 from tests.kernels.common import KERNEL, needs_triton, rel
 
 

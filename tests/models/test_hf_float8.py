@@ -1,7 +1,7 @@
 """Rowwise FP8 (``Policy(matmul=fsg.Float8(recipe="rowwise"))``, issue 18) on models we did not
 write: every family of the Hugging Face corpus (tests/models/hf_models.py) takes one step whose
 loss and update track the bf16 step's, and the fused GELU-gradient and gated-MLP casts
-(kernels/float8_cast.py, kernels/gated_fp8.py) change nothing where a family's MLP has one."""
+(kernels/fp8/cast.py, kernels/fp8/gated.py) change nothing where a family's MLP has one."""
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ import dataclasses
 
 from fsg._src.errors import ArgumentError
 
-# the float8 pass's rowwise producers a cast can be computed in (``passes/float8_producers.py``):
+# the float8 pass's rowwise producers a cast can be computed in (``passes/float8/producers.py``):
 # a GELU's gradient, a GELU, a concatenation of row pieces, a gated MLP's product, a SiLU's gradient
 FP8_PRODUCERS = frozenset({"gelu_backward", "gelu", "cat", "mul", "silu_backward"})
 # the passes that rewrite only CUDA graphs unless named in ``on_cpu``
@@ -38,7 +38,7 @@ class Fusions:
       column_sums: Inductor's mix-order reductions' final sums as fsg's column-sum kernel
         (stage 4, ``backend/column_sums.py``; the slices they write are corrected either way).
       fp8_producers: under rowwise FP8, the producers (names in ``FP8_PRODUCERS``) whose kernel
-        computes the cast of their output (``passes/float8_fuse.py``); empty: none.
+        computes the cast of their output (``passes/float8/fuse.py``); empty: none.
       fp8_layer_norms: under rowwise FP8, a layer norm and the cast of its output in one kernel.
       fp8_residual_adds: with ``fp8_layer_norms``, the residual add the norm normalizes too.
       fp8_column_sums: under rowwise FP8, an operand's cast and its bias gradient's column sums

@@ -20,7 +20,6 @@ from fsg._src.passes import (
     batch_casts,
     buckets,
     defer,
-    float8,
     fuse_adamw,
     gemm_epilogues,
     narrow_reads,
@@ -29,6 +28,7 @@ from fsg._src.passes import (
     run_pass,
     update_on_arrival,
 )
+from fsg._src.passes.float8 import matmuls as float8
 from fsg._src.passes.options import DEFAULT, Fusions
 from fsg._src.trace import markers
 

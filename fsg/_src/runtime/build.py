@@ -19,8 +19,9 @@ from fsg._src.errors import ShardingRuleError, UnsupportedError
 from fsg._src.kernels._common import plain_math
 from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
-from fsg._src.passes import float8, pipeline
 from fsg._src.passes import fuse_adamw as fusion
+from fsg._src.passes import pipeline
+from fsg._src.passes.float8 import matmuls as float8
 from fsg._src.passes.options import DEFAULT, Fusions
 from fsg._src.precision import Policy
 from fsg._src.runtime import validate

@@ -1,4 +1,4 @@
-"""The Triton kernel behind ``kernels/float8_cast.py``'s and ``kernels/gated_fp8.py``'s ops: rows
+"""The Triton kernel behind ``kernels/fp8/cast.py``'s and ``kernels/fp8/gated.py``'s ops: rows
 produced from what it reads (as read, a GELU, a GELU gradient, a gated MLP's product or
 gradient, or the pieces of a concatenation), cast row by row to
 ``float8_e4m3fn`` with their inverse scales, optionally written in the compute dtype, summed
@@ -73,7 +73,7 @@ def _act_grad(h, ACT: tl.constexpr):
     return _gelu_grad(h, ACT == 2)
 
 
-# The activations of a gated MLP's producers (``kernels/gated_fp8.py``), by name: ``ACT`` above.
+# The activations of a gated MLP's producers (``kernels/fp8/gated.py``), by name: ``ACT`` above.
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 # What computes the rows the kernel casts from what it reads (x; h and y where named): the rows
 # as read (also the pieces of a concatenation), gelu'(h) * x for each of gelu_backward's

@@ -1,4 +1,4 @@
-"""How a matmul becomes an FP8 ``_scaled_mm`` (the graph ops of ``passes/float8.py``'s rewrite).
+"""How a matmul becomes an FP8 ``_scaled_mm`` (the graph ops of ``passes/float8/matmuls.py``'s rewrite).
 
 ``Quantizer`` inserts, before a matmul, the scale and FP8 cast of each operand and the
 ``_scaled_mm`` that replaces it: tensorwise (one scale per tensor, its other layout a
@@ -23,8 +23,8 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.kernels import float8_cast
-from fsg._src.passes import float8_fuse
+from fsg._src.kernels.fp8 import cast as float8_cast
+from fsg._src.passes.float8 import fuse as float8_fuse
 from fsg._src.passes.options import DEFAULT, Fusions
 
 aten = torch.ops.aten

@@ -1,6 +1,6 @@
 """Fused FP8 casts for a gated MLP, ``down(act(gate(x)) * up(x))`` with ``act`` a SiLU (SwiGLU:
 Llama, Mistral, Qwen, Phi-3 and most recent decoders) or a GELU (GeGLU: Gemma), for the
-float8 pass (``passes/float8_producers.py`` matches them).
+float8 pass (``passes/float8/producers.py`` matches them).
 
 Shape legend: M rows (tokens), N the row width (the MLP's hidden width).
 
@@ -8,7 +8,7 @@ Each tensor an FP8 matmul of that MLP reads in rows is a product of two or three
 through the activation: left to Inductor, its cast is a row reduction fused with that product,
 which is then computed again for the FP8 writes. Both ops below compute it, its rowwise
 ``float8_e4m3fn`` copy and inverse scales (and, where asked, its column sums and column
-maxima) in one read of their inputs (``float8_cast_kernel.py``'s kernel):
+maxima) in one read of their inputs (``cast_kernel.py``'s kernel):
 
 - ``gated_fp8(x, h, activation)``: ``g = act(x) * h``. In the forward the down-projection's
   input (``x`` the gate's output, ``h`` the up-projection's); in the backward the
@@ -30,8 +30,8 @@ import torch
 
 from fsg._src.kernels._common import use_triton
 from fsg._src.kernels.column_sum import column_sum
-from fsg._src.kernels.float8_cast import _column_amax, _outputs, _rows_of, rowwise_fp8_reference
-from fsg._src.kernels.float8_cast_kernel import ACTIVATIONS, E4M3, launch, tiling
+from fsg._src.kernels.fp8.cast import _column_amax, _outputs, _rows_of, rowwise_fp8_reference
+from fsg._src.kernels.fp8.cast_kernel import ACTIVATIONS, E4M3, launch, tiling
 
 aten = torch.ops.aten
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

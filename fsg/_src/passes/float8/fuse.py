@@ -1,21 +1,21 @@
 """Where the float8 pass computes a rowwise cast in one kernel with what surrounds it
-(``kernels/float8_cast.py``'s ops), instead of leaving each cast to Inductor as its own
+(``kernels/fp8/cast.py``'s ops), instead of leaving each cast to Inductor as its own
 reductions over the tensor. Each fusion is a field of the step's ``Fusions``
 (``passes/options.py``), on by default:
 
 - A rowwise operand whose producer is in ``fp8_producers`` (a GELU gradient, a GELU, a
   concatenation of row pieces, a gated MLP's ``act(x) * h`` and its gate's gradient:
-  ``passes/float8_producers.py``): the producer, its cast and, where a bias gradient sums the
+  ``passes/float8/producers.py``): the producer, its cast and, where a bias gradient sums the
   tensor, its column sums become one op.
 - A rowwise operand a layer norm produces (``fp8_layer_norms``): the norm and the cast of its
-  output become one op (``fsg::layer_norm_fp8``, ``passes/float8_norms.py``), which returns the
+  output become one op (``fsg::layer_norm_fp8``, ``passes/float8/norms.py``), which returns the
   norm's statistics too; with ``fp8_residual_adds`` the residual add it normalizes
   (``LN(x + r)``, ``fsg::add_layer_norm_fp8``, which writes the sum too).
 - Any other rowwise operand a bias gradient sums (the residual stream's gradient,
   ``fp8_column_sums``): its cast and column sums become one op (``fsg::rowwise_fp8``).
 - A weight both the forward and the grad-input read in FP8 (``fp8_weights``): its two casts,
   of ``W`` and of ``W.T``, become one op reading its float32 master (``fsg::weight_fp8``,
-  ``passes/float8_weights.py``).
+  ``passes/float8/weights.py``).
 
 The fused ops can also return a tensor's column maxima; the pass never asks for them (computed
 in the kernel they measured slower than Inductor's reductions: benchmarks/RESULTS.md). Each
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsg._src.kernels import float8_cast
-from fsg._src.passes import float8_norms as norms
-from fsg._src.passes import float8_producers as producers
-from fsg._src.passes import float8_weights as weights
-from fsg._src.passes.float8_graph import column_sums, fused_outputs, read_column_sums, unflattened
+from fsg._src.kernels.fp8 import cast as float8_cast
+from fsg._src.passes.float8 import norms as norms
+from fsg._src.passes.float8 import producers as producers
+from fsg._src.passes.float8 import weights as weights
+from fsg._src.passes.float8.graph import column_sums, fused_outputs, read_column_sums, unflattened
 from fsg._src.passes.options import Fusions
 from fsg._src.passes.patterns import FLATTENS
 
@@ -91,7 +91,7 @@ def fuse(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
 def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
     """If ``t`` (its rows flattened to 2-D) is the output of an op a kernel fuses with the cast
     (``q.fusions.fp8_producers``: a GELU gradient, a GELU, a concatenation along the rows, a gated
-    MLP's product or gradient; ``passes/float8_producers.py``), computes it, its rowwise FP8
+    MLP's product or gradient; ``passes/float8/producers.py``), computes it, its rowwise FP8
     copy and, where a bias gradient sums it, its column sums in one kernel: the op becomes the
     fused op, whose copy and inverse scales are ``t``'s cast, and each ``sum(t, [0])`` reads
     the fused column sums."""
@@ -119,7 +119,7 @@ def fused_producer(q: Any, t: fx.Node, dtype: torch.dtype) -> None:
 def fusable(t: fx.Node, dtype: torch.dtype, fusions: Fusions) -> str | None:
     """What ``fuse`` would compute ``t``'s row-major rowwise cast in under ``fusions``
     (``"layer norm"``, a producer's op name, ``"column sums"``), or ``None`` for the generic
-    cast: the graph is not changed (``passes/float8_cost.py`` prices a fused cast by the bytes
+    cast: the graph is not changed (``passes/float8/cost.py`` prices a fused cast by the bytes
     it adds)."""
     if dtype != float8_cast.E4M3:
         return None

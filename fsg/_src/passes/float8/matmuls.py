@@ -6,7 +6,7 @@ the weight through ``t``), the grad-input ``dX_MK = dY_MN @ W_NK`` and the grad-
 ``dW_NK = dY_MN^T @ X_MK``. The pass finds the forward matmuls (the loss's ancestors), groups
 each backward matmul with the forward whose saved operand (``W`` or ``X``) it reads, and
 rewrites the matmuls of each selected layer as ``aten._scaled_mm`` with scales computed in
-the graph (``passes/float8_quantize.py``): tensorwise, ``scale = fp8_max / max(max|t|, eps)``
+the graph (``passes/float8/quantize.py``): tensorwise, ``scale = fp8_max / max(max|t|, eps)``
 per tensor (on a mesh, each activation's and gradient's amax all-reduced over the batch's
 axes), ``X`` and ``W`` in ``float8_e4m3fn``, ``dY`` in ``float8_e5m2``, all three matmuls;
 or rowwise, a scale per row along the contracted dim, e4m3 throughout, the forward and the
@@ -33,8 +33,8 @@ from fsg._src import _torch_private, tree
 from fsg._src import graph_facts as facts
 from fsg._src.errors import UnsupportedError
 from fsg._src.float8_config import Float8
-from fsg._src.passes import float8_cost
-from fsg._src.passes.float8_quantize import Quantizer, flipped, fsdp_gathers, operands, peel
+from fsg._src.passes.float8 import cost as float8_cost
+from fsg._src.passes.float8.quantize import Quantizer, flipped, fsdp_gathers, operands, peel
 from fsg._src.passes.options import DEFAULT, Fusions
 
 log = logging.getLogger("fsg")
@@ -196,7 +196,7 @@ def _listing(which: list[str], shown: int = 3) -> str:
 
 def rewrite(gm: fx.GraphModule, at: Float8Plan, fusions: Fusions = DEFAULT) -> str:
     """Rewrites the selected matmuls of ``gm`` in place (see the module docstring), its casts
-    fused where ``fusions`` says (``passes/float8_fuse.py``); returns a summary for the stage-3
+    fused where ``fusions`` says (``passes/float8/fuse.py``); returns a summary for the stage-3
     log."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -1,6 +1,6 @@
-"""The layer norms whose kernel computes a rowwise FP8 cast (``passes/float8_fuse.py``): a norm
+"""The layer norms whose kernel computes a rowwise FP8 cast (``passes/float8/fuse.py``): a norm
 whose output an FP8 matmul reads. ``native_layer_norm`` (and the residual add it normalizes)
-becomes ``fsg::layer_norm_fp8`` / ``fsg::add_layer_norm_fp8`` (``kernels/layer_norm_fp8.py``).
+becomes ``fsg::layer_norm_fp8`` / ``fsg::add_layer_norm_fp8`` (``kernels/fp8/layer_norm.py``).
 
 A norm matches only where the kernel computes exactly what the graph does: over the last dim,
 row-major inputs of one half-precision dtype.
@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from fsg._src.kernels import layer_norm_fp8
-from fsg._src.passes.float8_graph import fused_outputs, unflattened
+from fsg._src.kernels.fp8 import layer_norm as layer_norm_fp8
+from fsg._src.passes.float8.graph import fused_outputs, unflattened
 
 aten = torch.ops.aten
 LAYER_NORM = aten.native_layer_norm.default

@@ -6,7 +6,7 @@ of ``W``'s compute-dtype copy (a row reduction and a cast, then in the backward 
 reduction and a transposed cast), and that copy is written at the step's start and kept until
 the backward. Where both casts are needed and ``W`` is a weight (a step input, cast to the
 compute dtype or not, or a collective's result: FSDP's gathered weight), one
-``fsg::weight_fp8`` (``kernels/weight_fp8.py``) computes both from what ``W`` is a cast of,
+``fsg::weight_fp8`` (``kernels/fp8/weight.py``) computes both from what ``W`` is a cast of,
 rounding as that cast does: the same values (bit for bit on CPU, where the op runs the unfused
 casts; on a GPU its scales come from Triton's float32 division, as Inductor's do), and the
 compute-dtype copy is no longer written where nothing else reads it.
@@ -20,9 +20,9 @@ import torch
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.kernels import weight_fp8 as kernel
+from fsg._src.kernels.fp8 import weight as kernel
 from fsg._src.passes.batch_casts import same_tensor
-from fsg._src.passes.float8_graph import fused_outputs
+from fsg._src.passes.float8.graph import fused_outputs
 
 aten = torch.ops.aten
 WEIGHT_FP8 = torch.ops.fsg.weight_fp8.default

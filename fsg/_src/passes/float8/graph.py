@@ -1,5 +1,5 @@
-"""Graph helpers the float8 pass's fusions share (``passes/float8_fuse.py``,
-``passes/float8_norms.py``): a tensor's rows through flattening views, the bias gradients that
+"""Graph helpers the float8 pass's fusions share (``passes/float8/fuse.py``,
+``passes/float8/norms.py``): a tensor's rows through flattening views, the bias gradients that
 sum its columns, and a fused op's outputs by name."""
 
 from __future__ import annotations

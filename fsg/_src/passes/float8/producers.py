@@ -1,7 +1,7 @@
-"""The producers whose kernel a rowwise FP8 cast is computed in (``passes/float8_fuse.py``), and
+"""The producers whose kernel a rowwise FP8 cast is computed in (``passes/float8/fuse.py``), and
 each one's fused op with its arguments: a GELU and its gradient, a concatenation of row
-pieces (``kernels/float8_cast.py``), and a gated MLP's products and gradients
-(``kernels/gated_fp8.py``).
+pieces (``kernels/fp8/cast.py``), and a gated MLP's products and gradients
+(``kernels/fp8/gated.py``).
 
 A producer matches only where the fused kernel computes exactly what the graph does: inputs of
 the producer's shape, row-major (or, for a gated product, strided rows sharing their strides),
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fsg._src.kernels import float8_cast, gated_fp8  # noqa: F401 - registers the fused ops
+from fsg._src.kernels.fp8 import cast as float8_cast  # noqa: F401 - registers the fused ops
+from fsg._src.kernels.fp8 import gated as gated_fp8  # noqa: F401 - registers the fused ops
 from fsg._src.passes.patterns import CAT, GELU, GELU_BACKWARD, MUL, SILU, SILU_BACKWARD
 
 aten, fsg_ops = torch.ops.aten, torch.ops.fsg

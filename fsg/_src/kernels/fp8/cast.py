@@ -1,4 +1,4 @@
-"""Fused FP8 casts for the float8 pass (``passes/float8.py``): a tensor's rowwise FP8 copy
+"""Fused FP8 casts for the float8 pass (``passes/float8/matmuls.py``): a tensor's rowwise FP8 copy
 (and, where a bias gradient sums it, its column sums) in one read, computed in the kernel
 that produces the tensor where that producer is an elementwise op of the MLP or a
 concatenation.
@@ -9,7 +9,7 @@ FP8 copy), C the width of one piece of a concatenation.
 Left to Inductor, each cast is a row reduction (the amax) fused with the tensor's producer,
 and the producer is computed again for the writes (about twice its bytes' time:
 benchmarks/RESULTS.md). One Triton kernel
-(``float8_cast_kernel.py``) does each case in one read of its inputs:
+(``cast_kernel.py``) does each case in one read of its inputs:
 
 - ``gelu_backward_fp8``: the MLP's up-projection gradient ``g = dy * gelu'(h)``, read by the
   grad-input matmul (FP8, a scale per row), the grad-weight matmul (``g`` in bfloat16) and the
@@ -40,10 +40,10 @@ import torch
 
 from fsg._src.kernels._common import RowTiling, use_triton
 from fsg._src.kernels.column_sum import column_sum
-from fsg._src.kernels.float8_cast_kernel import AMAX_ROWS, launch, tiling
-from fsg._src.kernels.float8_cast_kernel import APPROXIMATIONS as APPROXIMATIONS
-from fsg._src.kernels.float8_cast_kernel import E4M3 as E4M3
-from fsg._src.kernels.float8_cast_kernel import EPS as EPS
+from fsg._src.kernels.fp8.cast_kernel import AMAX_ROWS, launch, tiling
+from fsg._src.kernels.fp8.cast_kernel import APPROXIMATIONS as APPROXIMATIONS
+from fsg._src.kernels.fp8.cast_kernel import E4M3 as E4M3
+from fsg._src.kernels.fp8.cast_kernel import EPS as EPS
 
 
 def rowwise_fp8_reference(g, column_amax: bool = False, fp8_dtype: torch.dtype = E4M3):

@@ -41,8 +41,9 @@ import torch.distributed as dist
 from torch import fx
 
 from fsg._src import _torch_private
-from fsg._src.passes import float8_fuse, float8_weights
-from fsg._src.passes.float8_quantize import E4M3, operands, peel
+from fsg._src.passes.float8 import fuse as float8_fuse
+from fsg._src.passes.float8 import weights as float8_weights
+from fsg._src.passes.float8.quantize import E4M3, operands, peel
 from fsg._src.passes.options import DEFAULT, Fusions
 
 log = logging.getLogger("fsg")
@@ -270,7 +271,7 @@ def auto_filter(
 def apply(
     matmuls: list[fx.Node], layers: dict, roles: dict, config: Any, why_not_op: Callable, fusions: Fusions = DEFAULT
 ) -> tuple[dict, dict]:
-    """``passes/float8.py``'s ``layers`` and ``roles`` with the layers the cost model keeps in the
+    """``passes/float8/matmuls.py``'s ``layers`` and ``roles`` with the layers the cost model keeps in the
     compute dtype marked so (their ``why_not``), given the matmuls each would run in FP8
     (``why_not_op(matmul)``: why a matmul cannot, whatever its layer)."""
     rowwise = config.recipe == "rowwise"

@@ -1,6 +1,6 @@
 """A weight's two rowwise FP8 copies, one for each layout the matmuls read, from its float32
 master in two launches: the float8 pass's op for a weight that both the forward matmul and the
-grad-input matmul read in FP8 (``passes/float8_weights.py``, ``Fusions.fp8_weights``).
+grad-input matmul read in FP8 (``passes/float8/weights.py``, ``Fusions.fp8_weights``).
 
 Shape legend: N the weight's rows (a linear layer's outputs), K its columns (its inputs).
 
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from fsg._src.kernels._common import tl, triton, use_triton
-from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
-from fsg._src.kernels.float8_cast_kernel import saturate, scale_of
+from fsg._src.kernels.fp8.cast import E4M3, EPS, rowwise_fp8_reference
+from fsg._src.kernels.fp8.cast_kernel import saturate, scale_of
 
 ROUNDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}  # what the master is rounded to first
 SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the weights the kernel reads

@@ -1,5 +1,5 @@
 """A layer norm's forward with the rowwise FP8 cast of its output, in one read of its input:
-the float8 pass's op for a matmul operand that a layer norm produces (``passes/float8_fuse.py``,
+the float8 pass's op for a matmul operand that a layer norm produces (``passes/float8/fuse.py``,
 ``Fusions.fp8_layer_norms``).
 
 Shape legend: M rows (every leading dim flattened), N the normalized width (the contracted dim
@@ -24,8 +24,8 @@ import functools
 import torch
 
 from fsg._src.kernels._common import RowTiling, tl, triton, use_triton
-from fsg._src.kernels.float8_cast import E4M3, EPS, rowwise_fp8_reference
-from fsg._src.kernels.float8_cast_kernel import saturate, scale_of, tiling
+from fsg._src.kernels.fp8.cast import E4M3, EPS, rowwise_fp8_reference
+from fsg._src.kernels.fp8.cast_kernel import saturate, scale_of, tiling
 
 DTYPES = (torch.bfloat16, torch.float16)  # the output dtypes the pass fuses (an FP8 matmul's operand)
 
