@@ -150,7 +150,7 @@ def compile_step(
         bucket_mb=bucket_mb, verify=verify, skip_nonfinite=skip_nonfinite, check_replicas=check_replicas,
         fused_loss=fused_loss, fusions=fusion_options.check(fusions),
     )  # fmt: skip
-    if pipeline is not None or (mesh is not None and "pp" in mesh.axis_names):
+    if pipeline is not None or (isinstance(mesh, Mesh) and "pp" in mesh.axis_names):
         return compile_pipeline_step(loss_fn, mesh, optimizer, pipeline, options)
     validate.check_compile_args(loss_fn, mesh, optimizer, options)
     return Step(loss_fn, optimizer, mesh=mesh, **options)

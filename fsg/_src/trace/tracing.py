@@ -23,7 +23,17 @@ from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._complex import complex_like, real_views
 from fsg._src.optim._transforms import learning_rate
 from fsg._src.precision import Policy, at_least_float32
-from fsg._src.trace import accumulation, block_masks, epilogue, loss_output, markers, purity, random, resilience
+from fsg._src.trace import (
+    accumulation,
+    block_masks,
+    epilogue,
+    loss_output,
+    markers,
+    purity,
+    random,
+    refusals,
+    resilience,
+)
 from fsg._src.trace.fused_loss import FusedLoss
 from fsg._src.trace.subgraph_constants import inline_scalar_constants
 from fsg._src.train_state import TrainState
@@ -250,7 +260,7 @@ def trace(
     except FsgError:
         raise
     except TypeError as exc:  # a list or tuple of the batch handed to an op that takes a tensor
-        misuse = purity.container_misuse(exc, batch)
+        misuse = refusals.container_misuse(exc, batch)
         if misuse is None:
             raise
         raise misuse from exc
@@ -261,9 +271,9 @@ def trace(
                 raise found from exc
         raise
 
-    if (dynamic := purity.dynamic_shape_op(gm)) is not None:
+    if (dynamic := refusals.dynamic_shape_op(gm)) is not None:
         where = purity.locate(loss_fn, state.params, batch, state.buffers, dynamic)
-        raise purity.dynamic_shape_error(dynamic, where or "(source line unknown)")
+        raise refusals.dynamic_shape_error(dynamic, where or "(source line unknown)")
     batch_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"][n_state:]
     if purity.has_host_sync(gm) or purity.writes_to_inputs(gm, set(batch_inputs)):
         # The graph breaks a rule; re-run the loss alone to find the source line.
