@@ -1,4 +1,4 @@
-"""Pins each private torch API that fsg uses (all imported in fsg/_src/_torch_private.py)."""
+"""Pins each private torch API that fsg uses (all imported in fsg/_src/_torch_private/)."""
 
 import io
 

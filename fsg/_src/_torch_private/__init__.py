@@ -1,4 +1,5 @@
-"""Every private or experimental torch API fsg uses, in one place.
+"""Every private or experimental torch API fsg uses, in one place (this package: the compilers'
+entry points in ``inductor.py``, re-exported here).
 
 torch's private names move between releases; fsg supports torch 2.11 (GPU) and 2.13 (CPU).
 Each name here is pinned by ``tests/test_torch_private.py``, so an upgrade that moves one
@@ -11,7 +12,6 @@ import contextlib
 import copy
 import functools
 import logging
-import re
 from typing import Any, Callable
 
 import torch
@@ -27,6 +27,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsg._src import decompositions as fsg_decompositions
+from fsg._src._torch_private.inductor import (
+    aot_eager_compile,
+    buffer_storage,
+    final_reduction_line,
+    inductor_compile,
+    wrapper_lines_rewritten,
+)
 
 __all__ = [  # fmt: skip
     "ALL_GATHER", "ALL_REDUCE", "DATA_DEPENDENT_ERRORS", "DYNAMIC_SHAPE_ERROR", "HOST_SYNC_OPS", "HigherOrderOperator",
@@ -34,7 +41,7 @@ __all__ = [  # fmt: skip
     "buffer_storage", "core_decompositions", "default_store", "draws_random", "dtensor_has_rule", "dtensor_index_put_rule_is_positional",
     "fake_mode", "functionalize", "grad_hooks", "in_hop_compile", "inductor_compile", "is_collective", "is_pure_op", "lr_scheduler_parts",
     "mutated_args", "register_sharding", "reparametrize", "return_names", "trace_fake", "version", "wrapper_lines_rewritten",
-    "FAKE_TENSOR_LOG", "final_reduction_line", "scaled_mm",
+    "FAKE_TENSOR_LOG", "final_reduction_line", "scaled_mm", "aot_eager_compile",
 ]
 
 # What tracing raises when Python needs a tensor's value (``if x > 0:``; ``.item()`` where not captured).
@@ -250,23 +257,6 @@ def fake_result(mode: FakeTensorMode, target: Any, args: tuple, kwargs: dict | N
         return target(*fx.node.map_aggregate(args, fake), **fx.node.map_aggregate(kwargs or {}, fake))
 
 
-def inductor_compile(
-    gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor], options: dict[str, Any] | None = None
-) -> Callable[..., Any]:
-    """Compiles an aten FX graph with Inductor, specialized on ``example_inputs``' shapes,
-    dtypes and strides, without Dynamo re-tracing it (``standalone_compile``, torch 2.8+), its
-    on-disk caches on; ``options`` are ``compile_fx``'s keyword arguments (``config_patches``).
-    Custom ops get Inductor's implicit fallback up front (``make_fallback``): torch 2.11 formats
-    their arguments eagerly on its way there, exponentially along a chain of opaque ops."""
-    from torch._inductor import config, decomposition, lowering
-
-    for op in {n.target for n in gm.graph.nodes if isinstance(n.target, OpOverload)} - lowering.lowerings.keys():
-        inductor_own = torch._library.utils.is_builtin(op) or op.name().split(".")[0] in lowering.FALLBACK_ALLOW_LIST
-        if config.implicit_fallbacks and not inductor_own and op not in decomposition.decompositions:
-            lowering.make_fallback(op, warn=False)
-    return torch._inductor.standalone_compile(gm, list(example_inputs), dynamic_shapes="from_example_inputs", options=options)
-
-
 @contextlib.contextmanager
 def mkldnn_disabled():
     """Within: oneDNN off, restored after. torch's own ``mkldnn.flags()`` also resets its
@@ -278,56 +268,6 @@ def mkldnn_disabled():
         yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
-
-
-def aot_eager_compile(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
-    """``gm`` functionalized by AOTAutograd and run op by op (the ``aot_eager`` backend), without
-    Dynamo re-tracing it; input mutations stay in the graph (``keep_input_mutations``)."""
-    from torch._dynamo.backends.debugging import aot_eager
-
-    return aot_eager(gm, list(example_inputs))
-
-
-@contextlib.contextmanager
-def wrapper_lines_rewritten(rewrite: Callable[[str, Any], str]):
-    """Within: each line Inductor's ``PythonWrapperCodegen`` writes is ``rewrite(line, wrapper)`` first
-    (``wrapper``: the codegen; its ``imports`` block an ``IndentedBuffer``). One compile at a time."""
-    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
-
-    original = PythonWrapperCodegen.writeline
-    PythonWrapperCodegen.writeline = lambda self, line: original(self, rewrite(line, self) if isinstance(line, str) else line)
-    try:
-        yield
-    finally:
-        PythonWrapperCodegen.writeline = original
-
-
-# Inductor's wrapper line of a mix-order reduction's final reduction (torch 2.11, 2.13):
-# ``buf = workspace_0[a : b].view(n, C).sum(dim=0)`` (or ``amax``/``amin``/``prod``), then 2.13's
-# ``.view([C])`` and a ``.to(dtype)`` where the buffer is not float32
-_FINAL_REDUCTION = re.compile(r"^(\s*)(\w+) = (\w+\[[^\]]*\]\.view\(.*?\))\.(sum|amax|amin|prod)\(dim=0\)(.*)$")
-
-
-def final_reduction_line(line: str) -> tuple[str, str, str, str, str] | None:  # (indent, buffer, partials, op, tail)
-    m = _FINAL_REDUCTION.match(line)
-    return None if m is None else m.groups()
-
-
-def buffer_storage(name: str, wrapper: Any = None) -> str:
-    """Where Inductor's buffer ``name`` (of the graph whose wrapper is being written) keeps its
-    values: ``"own"``, ``"alias"`` (a slice of another buffer, ``NonOwningLayout``: a ``cat``
-    input computed in place into the ``cat``'s output) or ``"other"`` (e.g. a mutated input).
-    With ``wrapper`` (the wrapper codegen), an alias's allocation (base, then view) is emitted."""
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
-
-    buffer = V.graph.get_buffer(name)  # None: not a buffer Inductor knows; its line stands as written
-    layout = None if buffer is None else buffer.get_output_spec()
-    if isinstance(layout, ir.NonOwningLayout):
-        if wrapper is not None:
-            wrapper.codegen_allocation(buffer)
-        return "alias"
-    return "own" if layout is None or isinstance(layout, (ir.FixedLayout, ir.FlexibleLayout)) else "other"
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
