@@ -30,7 +30,7 @@ from fsg._src import _torch_private, tree
 from fsg._src.errors import ShardingFallbackWarning, ShardingRuleError
 from fsg._src.kernels import dtensor_rules  # noqa: F401 - DTensor rules for fsg ops that stay fused on a mesh
 from fsg._src.mesh import Mesh
-from fsg._src.sharding import flex_attention, op_support
+from fsg._src.sharding import convolution, flex_attention, op_support, raw_collectives
 from fsg._src.trace import libraries, markers, purity
 from fsg._src.trace.tracing import TracedStep
 
@@ -95,6 +95,12 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
 
+def _guarded(target: Any) -> Any:
+    """While DTensor runs an ATen op: no raw ``torch.distributed`` op reaches the graph
+    (``raw_collectives``). Higher-order operators run unguarded (their own dispatch)."""
+    return raw_collectives.Guard() if isinstance(target, _torch_private.OpOverload) else contextlib.nullcontext()
+
+
 class _Expander(fx.Interpreter):
     """Runs the global graph on DTensors, applying the sharding rules."""
 
@@ -106,6 +112,7 @@ class _Expander(fx.Interpreter):
         self.mark_grads = mark_grads
         self.reduce_dtype = reduce_dtype
         self._node: fx.Node | None = None
+        self._data_dims = frozenset(plan.mesh.axis_names.index(a) for a in plan.data_axes)
 
     def run_node(self, n: fx.Node) -> Any:
         self._node = n
@@ -156,6 +163,9 @@ class _Expander(fx.Interpreter):
             args = (_gather_dim(args[0], mesh, args[1]), *args[1:])
         if (local := flex_attention.run_local(target, args, kwargs, mesh.device_mesh)) is not None:
             return local  # a FlexAttention sharded on batch or heads, each rank its own
+        like = self._node.meta.get("val") if self._node is not None else None
+        if (local := convolution.run_local(target, args, kwargs, mesh.device_mesh, self._data_dims, like)) is not None:
+            return local  # each rank its own images, without torch's halo exchange (raw sends)
         leaves, _ = tree.flatten((args, kwargs))
         if any(isinstance(a, DTensor) for a in leaves) and not _has_rule(target):
             # rule 4: never DTensor's run-time derivation from the op's decomposition, which
@@ -166,7 +176,8 @@ class _Expander(fx.Interpreter):
             # Tensors made inside the step (masks, aranges) are the same on every rank.
             args, kwargs = tree.tree_map(self._replicated, (args, kwargs))
         try:
-            result = super().call_function(target, args, kwargs)
+            with _guarded(target):
+                result = super().call_function(target, args, kwargs)
         except NotImplementedError as exc:  # rule 4: DTensor has no rule for this op at all
             return self._fallback(target, args, kwargs, exc, local=True)
         except (RuntimeError, IndexError, KeyError) as exc:
@@ -185,7 +196,7 @@ class _Expander(fx.Interpreter):
         device_mesh, result = self.plan.mesh.device_mesh, None
         replicated = op_support.gather_all((args, kwargs), device_mesh)
         if replicated is not None and not local:
-            with contextlib.suppress(Exception):  # else the rule fails on whole inputs too
+            with contextlib.suppress(Exception), _guarded(target):  # else the rule fails on whole inputs too
                 result = super().call_function(target, *replicated)
         if result is None or not op_support.covers_mesh(result, device_mesh.ndim):
             try:
