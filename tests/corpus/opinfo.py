@@ -14,7 +14,7 @@ with the test named, not run. Ops fsg is expected to refuse are listed, each wit
 in ``tests/corpus/opinfo_expected.py``.
 
 Example:
-  >>> case = next(c for c in cases() if c.name == "sigmoid")
+  >>> case = by_name("sigmoid")
   >>> sorted(case.params)
   ['input']
   >>> bool(case.loss_fn(case.params, {}).isfinite())
@@ -29,7 +29,6 @@ import zlib
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.testing._internal.opinfo.core import DecorateInfo
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -76,6 +75,8 @@ def _is_skip(decorator: Any) -> bool:
 
 def torch_skip(op: Any) -> str | None:
     """The OpInfo test torch skips or xfails for this op's float64 gradient on the CPU, if any."""
+    from torch.testing._internal.opinfo.core import DecorateInfo
+
     for info in (*op.skips, *op.decorators):
         if not isinstance(info, DecorateInfo) or not any(map(_is_skip, info.decorators)):
             continue
@@ -138,7 +139,7 @@ def _build(op: Any, sample: Any, name: str) -> Case | None:
         return None
     if not outs:
         return None
-    gen = torch.Generator().manual_seed(len(name))
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     weights = [torch.rand(o.shape, generator=gen, dtype=DTYPE) + 0.5 for o in outs]
 
     def loss_fn(p: dict, batch: dict) -> torch.Tensor:
@@ -188,7 +189,33 @@ def cases_of(op: Any, *, max_samples: int = 40) -> list[Case]:
 
 def cases() -> list[Case]:
     """Every case of every selected op not skipped by torch."""
-    return [case for op in selected_ops() if torch_skip(op) is None for case in cases_of(op)]
+    return inventory().cases
+
+
+class Inventory(NamedTuple):
+    cases: list[Case]
+    torch_skipped: dict[str, str]  # {op: the OpInfo test torch skips or xfails}
+    unusable: list[str]  # ops none of whose samples eager can train (no differentiable output, non-finite)
+
+
+@functools.lru_cache(maxsize=1)
+def inventory() -> Inventory:
+    """The corpus, and the selected ops that are not in it, with why."""
+    found, skipped, unusable = [], {}, []
+    for op in selected_ops():
+        if (test := torch_skip(op)) is not None:
+            skipped[full_name(op)] = test
+        elif of_op := cases_of(op):
+            found.extend(of_op)
+        else:
+            unusable.append(full_name(op))
+    return Inventory(found, skipped, unusable)
+
+
+def by_name(name: str) -> Case:
+    """The case called ``name`` (built from its op alone: cheap on a rank)."""
+    op = next(op for op in selected_ops() if full_name(op) == name.removesuffix("[0-d]"))
+    return next(case for case in cases_of(op) if case.name == name)
 
 
 def in_inductor_sample(name: str) -> bool:

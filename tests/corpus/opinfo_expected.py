@@ -54,3 +54,21 @@ def expected(name: str, runner: str) -> str:
     if entry is None:
         return "match"
     return entry.outcomes.get(runner, entry.outcomes.get("*", "match"))
+
+
+def problems(results: dict[str, dict[str, str]]) -> list[str]:
+    """What in ``{case: {runner: outcome}}`` breaks the corpus's rule: a silent mismatch, a
+    failure that is not an ``fsg.FsgError``, an outcome other than the one listed here, or an
+    entry listed here for a runner that matched (stale: remove it)."""
+    found = []
+    for name, by_runner in sorted(results.items()):
+        for runner, outcome in by_runner.items():
+            want = expected(name, runner)
+            if outcome.startswith("MISMATCH"):
+                found.append(f"{name} under {runner}: silently different from eager: {outcome}")
+            elif outcome.startswith("crash"):
+                found.append(f"{name} under {runner}: not a clear fsg error: {outcome}")
+            elif outcome != want:
+                stale = " (stale entry in tests/corpus/opinfo_expected.py)" if outcome == "match" else ""
+                found.append(f"{name} under {runner}: {outcome}, expected {want}{stale}")
+    return found
