@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 from fsg._src import _torch_private
 
 RAW_NAMESPACE = "c10d"  # torch.distributed's own ops; the traceable ones are "_c10d_functional"
@@ -30,6 +32,10 @@ class Guard(_torch_private.TorchDispatchMode):
     """Raises ``RawCollectiveError`` at any ``c10d`` op dispatched under it; runs the rest."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # DTensor's dispatch first, with this mode still on: a mode is off inside its own
+            # handler, so forwarding the DTensor op from here would hide the ops its rule issues
+            return NotImplemented
         if getattr(func, "namespace", None) == RAW_NAMESPACE:
             raise RawCollectiveError(
                 f"DTensor's rule for it issues {_torch_private.op_name(func)}, a torch.distributed op "
