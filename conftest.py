@@ -1,5 +1,5 @@
-"""Shared pytest set-up: the environment, the doctest namespace, the hypothesis profiles and the
-slow tier (docs/testing.md)."""
+"""Shared pytest set-up: the environment, the doctest namespace and the hypothesis profiles (the
+slow tier is tests/conftest.py's)."""
 
 import os
 from pathlib import Path
@@ -41,31 +41,3 @@ def pytest_configure(config):
     # An unexpected recompile is a test failure (set here, after TRITON_INTERPRET, since the
     # ini filter would import fsg, and so torch and triton, before this file runs).
     config.addinivalue_line("filterwarnings", "error::fsg.RecompileWarning")
-
-
-# The slow tier: `python -m pytest -m "not slow"` leaves these out (docs/testing.md). Whole
-# folders whose every test starts processes or builds a model corpus, the Inductor and torchrun
-# markers, every test on a pool of ranks, and the tests measured slowest elsewhere; FAST keeps a
-# few representative ones in the fast tier, so that it still runs a sharded step.
-SLOW_FOLDERS = ("tests/dist/", "tests/models/", "tests/resume/", "tests/examples/", "tests/pipeline/")
-SLOW_MARKERS = ("inductor", "torchrun")
-SLOW_TESTS = ()  # node ids or their prefixes (a file, a test without its parameters)
-FAST = ()
-
-
-def _is_slow(item) -> bool:
-    nodeid = item.nodeid
-    if nodeid.startswith(FAST):
-        return False
-    return (
-        nodeid.startswith(SLOW_FOLDERS + SLOW_TESTS)
-        or any(item.get_closest_marker(m) for m in SLOW_MARKERS)
-        or "ranks" in getattr(item, "fixturenames", ())
-    )
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by the markers
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if _is_slow(item):
-            item.add_marker(pytest.mark.slow)
