@@ -5,6 +5,7 @@ weights on bf16 gathers under ``Float8(all_gather="fp8")``). One process posing 
 (torch's fake process group, ``mesh_graph_script.py``); the graph is lowered, not run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_fsdp_gathers_stay_packed_on_cuda_with_the_cuda_rewrites():
     script = Path(__file__).with_name("mesh_graph_script.py")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    # the repository root on the path: the script imports fsg from a checkout that is not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=root, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][7:])
