@@ -13,12 +13,11 @@ eager-consistency tests for float64 on the CPU (``skips``/``decorators``) is ``t
 with the test named, not run. Ops fsg is expected to refuse are listed, each with its reason,
 in ``tests/corpus/opinfo_expected.py``.
 
-Example:
-  >>> case = by_name("sigmoid")
-  >>> sorted(case.params)
+Example (skipped by the doctest run: loading ``op_db`` takes seconds, the corpus tests run it):
+  >>> case = by_name("sigmoid")  # doctest: +SKIP
+  >>> sorted(case.params)  # doctest: +SKIP
   ['input']
-  >>> bool(case.loss_fn(case.params, {}).isfinite())
-  True
+  >>> params, losses = train_eager(case)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class Case(NamedTuple):
     params: dict[str, torch.Tensor]  # the sample's differentiable tensors by pytree path
     loss_fn: Callable[[dict, dict], torch.Tensor]  # loss_fn(params, batch) -> 0-d float64
     random: bool  # the op draws random numbers: eager's generator and fsg's keys differ
-    aten: frozenset  # the ATen ops of its eager forward
+    aten: frozenset  # the ATen ops its eager forward runs on tensors computed from the parameters
 
 
 def full_name(op: Any) -> str:
@@ -153,18 +152,22 @@ def _build(op: Any, sample: Any, name: str) -> Case | None:
     if not all(g is None or torch.isfinite(g).all() for g in grad):
         return None
     random = any(torch.Tag.nondeterministic_seeded in op.tags for op in record.ops)
-    return Case(name, full_name(op), params, loss_fn, random, frozenset(record.ops))
+    return Case(name, full_name(op), params, loss_fn, random, frozenset(record.on_params))
 
 
 class _Record(TorchDispatchMode):
-    """Records the ATen ops a forward calls."""
+    """Records the ATen ops a forward calls (``ops``), and those it calls on tensors computed
+    from the parameters (``on_params``: the ops a sharded step runs on DTensors)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: set[Any] = set()
+        self.on_params: set[Any] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.add(func)
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves((args, kwargs))):
+            self.on_params.add(func)
         return func(*args, **(kwargs or {}))
 
 
