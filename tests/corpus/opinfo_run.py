@@ -52,7 +52,6 @@ def outcome_of(exc: Exception) -> str:
 def train(
     case: opinfo.Case,
     make_step: Callable[[Callable], Any],
-    params: dict | None = None,
     batch: dict | None = None,
     loss_fn: Callable | None = None,
 ) -> tuple[dict, list] | str:
@@ -62,7 +61,7 @@ def train(
         step = make_step(loss_fn or case.loss_fn)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", fsg.ShardingFallbackWarning)  # gathered, still exact
-            state = step.init(params if params is not None else case.params)
+            state = step.init(case.params)
             losses = []
             for _ in range(opinfo.STEPS):
                 state, metrics = step(state, batch or {})
