@@ -97,22 +97,3 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
-
-
-# The reruns of tests whose rank processes died (tests/dist/conftest.py), reported at the end.
-# Here, not in tests/dist/: under pytest-xdist only the top conftest files load in the process
-# that prints the summary, which receives every worker's reports.
-_DEATHS: list[tuple[str, str]] = []  # (test, the RankError's report) of each rerun
-
-
-def pytest_runtest_logreport(report):
-    if report.outcome == "rerun":
-        text = report.longreprtext
-        _DEATHS.append((report.nodeid, text[text.find("RankError: ") :][:4000]))
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _DEATHS:
-        terminalreporter.section("rank processes that died (each test rerun once on a fresh pool)")
-        for nodeid, text in _DEATHS:
-            terminalreporter.write_line(f"{nodeid}:\n{text}")

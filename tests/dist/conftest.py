@@ -5,9 +5,8 @@ A test on a pool runs once more, on a fresh pool, if one of its ranks' *processe
 worker thread (``pt_gloo_runloop``) crashed once in libc in ~15 full runs, in the project's
 CI (a general protection fault, kernel log 2026-12-04), while the surviving rank saw only
 "Connection reset by peer". A test that fails twice fails; a rerun shows as ``R`` in the
-summary with the death's report (signal, faulthandler stacks: tests/conftest.py, which pytest
-loads in the process that prints the summary also under pytest-xdist). A Python error on any
-rank, wrong values included, is never rerun.
+summary with the death's report (signal, faulthandler stacks). A Python error on any rank,
+wrong values included, is never rerun.
 """
 
 import pytest
@@ -15,6 +14,20 @@ import pytest
 import fsg.testing
 
 _POOLS: dict[int, fsg.testing.MultiRank] = {}
+_DEATHS: list[tuple[str, str]] = []  # (test, the RankError's report) of each rerun
+
+
+def pytest_runtest_logreport(report):
+    if report.outcome == "rerun":
+        text = report.longreprtext
+        _DEATHS.append((report.nodeid, text[text.find("RankError: ") :][:4000]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DEATHS:
+        terminalreporter.section("rank processes that died (each test rerun once on a fresh pool)")
+        for nodeid, text in _DEATHS:
+            terminalreporter.write_line(f"{nodeid}:\n{text}")
 
 
 def pytest_collection_modifyitems(items):
