@@ -13,8 +13,13 @@ import fsg
 from fsg._src.passes.options import Fusions
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# benchmarks/ on sys.path only while gpt_impls (and its _common) import: left there, that
+# folder's kernels.py would shadow the kernels package transformers imports in later tests
 sys.path.insert(0, str(BENCHMARKS))
-import gpt_impls  # noqa: E402
+try:
+    import gpt_impls
+finally:
+    sys.path.remove(str(BENCHMARKS))
 
 
 def _names():

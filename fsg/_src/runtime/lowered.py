@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fsg._src import _torch_private
 from fsg._src.runtime import memory
 from fsg._src.runtime.memory import Memory
-from fsg._src.sharding import spmd
+from fsg._src.sharding import collectives as collectives_of
 
 
 class Cost(NamedTuple):
@@ -63,7 +63,7 @@ class Lowered:
     def collectives(self) -> list:
         """The step's collectives as rows ``(kind, axis, bytes, count)``, one per kind and
         mesh axis (empty on one device)."""
-        return spmd.collectives(self.graph_module, self._mesh)
+        return collectives_of.collectives(self.graph_module, self._mesh)
 
     def op_counts(self) -> dict[str, int]:
         """How many nodes of each op the graph holds, e.g. ``{"aten.mm": 6, ...}``."""
