@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import sysconfig
 import time
@@ -224,21 +223,6 @@ def gathered(params):
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in params.items()}
 
 
-# Fault injection for tests/dist/test_example_resume.py: the last rank kills itself (SIGKILL)
-# after this step, in torchrun's first attempt only (TORCHELASTIC_RESTART_COUNT = 0).
-KILL_AT_STEP = "FSG_EXAMPLE_KILL_AT_STEP"
-
-
-def maybe_kill(i: int, rank: int, world: int, manager) -> None:
-    if os.environ.get(KILL_AT_STEP) != str(i) or rank != world - 1:
-        return
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if manager is not None:
-        manager.wait()  # the save in flight completes first: the restart's resume point is known
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def resume(manager, state, loader, log):
     """The train state and the loader's position from the latest complete checkpoint, if any."""
     latest = manager.latest() if manager is not None else None  # waits for a save in flight
@@ -403,7 +387,6 @@ def train(args: argparse.Namespace) -> dict:
             run.restart_clock()  # the compile is not training time
         if manager is not None and (i % args.save_every == 0 or i == args.steps):
             manager.save(i, {"train": state, "data": loader.state_dict()}, force=True)  # async: returns at once
-        maybe_kill(i, rank, world, manager)
         evaluating = i % args.eval_every == 0 or i == args.steps
         sampling = i % args.sample_every == 0 or i == args.steps
         if evaluating or sampling:
