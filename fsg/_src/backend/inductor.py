@@ -88,7 +88,30 @@ def keep_rng_state_alive(gm: fx.GraphModule) -> int | None:
     return len(own)
 
 
-class AotEagerStep:
+class _PerStrides:
+    """A step graph compiled on its first call for each set of its inputs' strides, which the
+    compilers specialize on (a transposed batch compiles once more, as ``torch.compile``'s
+    guards would). Subclasses say how to compile (``_build``)."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[tuple, Callable[..., Any]] = {}
+        self._last: tuple[tuple, Callable[..., Any]] | None = None
+
+    def _build(self, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def _compiled_for(self, inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+        key = tuple(t.stride() for t in inputs)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self._build(list(inputs))
+        self._last = (key, fn)
+        return fn
+
+
+class AotEagerStep(_PerStrides):
     """The step graph run by AOTAutograd's functionalized graph, op by op, built on its first call.
 
     The graph goes to AOTAutograd directly (``_torch_private.aot_eager_compile``), not through
@@ -98,28 +121,26 @@ class AotEagerStep:
     """
 
     def __init__(self, gm: fx.GraphModule):
+        super().__init__()
         self._gm = gm
-        self._compiled: dict[tuple, Callable[..., Any]] = {}
+
+    def _build(self, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        return _torch_private.aot_eager_compile(self._gm, inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        key = tuple(t.stride() for t in inputs)
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compiled[key] = _torch_private.aot_eager_compile(self._gm, list(inputs))
-        return fn(*inputs)
+        return self._compiled_for(inputs)(*inputs)
 
 
-class InductorStep:
+class InductorStep(_PerStrides):
     """The step graph compiled by Inductor on its first call.
 
     The graph is already an aten graph, so it goes to Inductor directly
     (``_torch_private.inductor_compile``): Dynamo does not trace it a second time, which was
-    about a third of a warm start on the VM. Inductor specializes on the inputs' strides as well as their
-    shapes; a call whose strides differ (a transposed batch, say) compiles once more for
-    them, as ``torch.compile``'s guards would.
+    about a third of a warm start on the VM. Once more for other strides (``_PerStrides``).
     """
 
     def __init__(self, gm: fx.GraphModule, fusions: Fusions = DEFAULT):
+        super().__init__()
         self._fusions = fusions
         flex_attention.refuse_block_masks_built_in_graph(gm)
         flex_attention.refuse_per_sequence_block_masks(gm)
@@ -147,21 +168,16 @@ class InductorStep:
         if flex_attention.has_cpu_flex_attention(gm):
             patches["epilogue_fusion"] = False
         self._options = {"config_patches": patches} if patches else None
-        self._compiled: dict[tuple, Callable[..., Any]] = {}
-        self._last: tuple[tuple, Callable[..., Any]] | None = None
+
+    def _build(self, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        t0 = time.perf_counter()
+        with column_sums.final_sums_as_kernels(self._fusions):
+            fn = _torch_private.inductor_compile(self._gm, inputs, self._options)
+        log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
+        return fn
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        key = tuple(t.stride() for t in inputs)
-        if self._last is not None and self._last[0] == key:
-            return self._own(self._last[1](*inputs))
-        fn = self._compiled.get(key)
-        if fn is None:
-            t0 = time.perf_counter()
-            with column_sums.final_sums_as_kernels(self._fusions):
-                fn = self._compiled[key] = _torch_private.inductor_compile(self._gm, list(inputs), self._options)
-            log.info("fsg: stage 4: Inductor compiled the step in %.1f s", time.perf_counter() - t0)
-        self._last = (key, fn)
-        return self._own(fn(*inputs))
+        return self._own(self._compiled_for(inputs)(*inputs))
 
     def _own(self, outputs: Any) -> Any:
         return outputs if self._num_outputs is None else outputs[: self._num_outputs]
