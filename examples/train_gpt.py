@@ -274,10 +274,9 @@ def cpu_threads(requested: int | None) -> tuple[int, str]:
 
     Why not every core: at this model's size each Inductor CPU kernel is a short parallel loop
     ending in a barrier that all its threads must reach. A thread whose core another process
-    holds is descheduled, and the others wait for it a scheduler tick, kernel after kernel. On
-    2 cores (2026-12-07): shared with other work, 2 threads ran the same steps 7x slower than 1
-    (1,050 against 7,135 chars/s, the same losses); idle, 2 threads ran 2x faster than 1
-    (39,664 against 19,193 chars/s).
+    holds is descheduled, and the others wait for it a scheduler tick, kernel after kernel: on
+    busy cores two threads ran slower than one, on idle cores faster (benchmarks/RESULTS.md,
+    "CPU: the example's thread count").
     """
     if requested:
         return requested, "--threads"
