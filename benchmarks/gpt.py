@@ -197,6 +197,11 @@ def run_torch(impl: str, args) -> dict:
 
         profiler = cProfile.Profile()
         profiler.enable()
+    peak_to = os.environ.get("FSG_MEMORY_PEAK") if cuda else None  # a path prefix: memory_peak's census
+    if peak_to:
+        import memory_peak
+
+        memory_peak.record()
     t0 = time.perf_counter()
     first = float(step(0))
     compile_s = time.perf_counter() - t0
@@ -214,6 +219,8 @@ def run_torch(impl: str, args) -> dict:
         step(i)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
+    if peak_to:
+        print(memory_peak.census(f"{peak_to}.{args.model}.{row}.txt"), flush=True)
     # an event after each step: the per-step device times show a trend (clocks settling under
     # sustained load) that the mean alone hides
     events = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
