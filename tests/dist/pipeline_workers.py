@@ -65,11 +65,15 @@ class Gpt(nn.Module):
 def problem(model: str, layers: int, rows: int):
     """``(loss_fn, params, batch)`` of a model, seeded: the same on every rank."""
     torch.manual_seed(0)
-    if model == "mlp":
+    if model in ("mlp", "mlp-ratio"):
         net = Mlp(layers).double()
 
         def loss_fn(params, batch):
-            return ((fsg.apply(net, params, batch["x"]) - batch["y"]) ** 2).mean()
+            squares = (fsg.apply(net, params, batch["x"]) - batch["y"]) ** 2
+            if model == "mlp":
+                return squares.mean()
+            # not a mean of per-row terms: a ratio of two sums over the rows (both reduced over dp)
+            return squares.sum() / (batch["y"].abs().sum() + squares.detach().max())
 
         batch = {"x": torch.randn(rows, 3, dtype=torch.float64), "y": torch.randn(rows, 2, dtype=torch.float64)}
     else:
@@ -85,35 +89,56 @@ def problem(model: str, layers: int, rows: int):
 
 
 OPTIMIZER = fsg.optim.adamw(1e-2, weight_decay=0.1)
+CLIPPED = fsg.optim.chain(fsg.optim.clip_by_global_norm(0.05), fsg.optim.adamw(1e-2, weight_decay=0.1))
 _REFERENCES: dict = {}  # unsharded steps by (model, layers, accum_steps): a drawn case's baseline is traced once
 
 
-def pipeline_matches_unsharded(model, layers, schedule, virtual, split_points, accum, steps=2, backend="eager"):
+def pipeline_matches_unsharded(
+    model, layers, schedule, virtual, split_points, accum, steps=2, backend="eager", dp=1, clip=False, poison=None
+):
     """Runs ``steps`` pipeline steps and the unsharded ones; returns the largest difference of
-    any parameter and metric, and whether each call ran this rank's actions in the schedule's order."""
-    pp, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    loss_fn, params, batch = problem(model, layers, 2 * accum)
+    any parameter and metric, and whether each call ran this rank's actions in the schedule's order.
+
+    ``dp``: the mesh is ``{"pp": world // dp, "dp": dp}``; ``clip``: the optimizer clips by the
+    global norm; ``poison``: the step at which one input row is NaN (both steps skip it)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    loss_fn, params, batch = problem(model, layers, 2 * accum * dp)
     pipeline = fsg.Pipeline(schedule=schedule, split_points=split_points, virtual_stages=virtual)
-    mesh = fsg.testing.mesh({"pp": pp})
-    step = fsg.compile_step(loss_fn, mesh, optimizer=OPTIMIZER, accum_steps=accum, backend=backend, pipeline=pipeline)
-    key = (model, layers, accum)
+    mesh = fsg.testing.mesh({"pp": world // dp, **({"dp": dp} if dp > 1 else {})})
+    optimizer, skip = CLIPPED if clip else OPTIMIZER, poison is not None
+    options = {"optimizer": optimizer, "accum_steps": accum, "skip_nonfinite": skip}
+    step = fsg.compile_step(loss_fn, mesh, backend=backend, pipeline=pipeline, **options)
+    key = (model, layers, accum, dp, clip, skip)
     if key not in _REFERENCES:
         # (its loss_fn's model is a template of the same structure: the params come from the state)
-        _REFERENCES[key] = fsg.compile_step(loss_fn, optimizer=OPTIMIZER, accum_steps=accum, backend="eager")
+        _REFERENCES[key] = fsg.compile_step(loss_fn, backend="eager", **options)
     reference = _REFERENCES[key]
     state, ref_state = step.init(params, batch=batch), reference.init(params)
     worst, in_order = 0.0, True
-    want = list(step.schedule().schedule.actions[rank])
+    want = list(step.schedule().schedule.actions[step.pipeline_index])
     for i in range(steps):
         batch = {k: v.roll(i, 0) for k, v in batch.items()}
+        if i == poison:
+            batch["x"] = batch["x"].clone()
+            batch["x"][-1, 0] = float("nan")
         state, metrics = step(state, batch)
         ref_state, ref_metrics = reference(ref_state, batch)
         in_order &= step.executed == want
         assert sorted(metrics) == sorted(ref_metrics), (sorted(metrics), sorted(ref_metrics))
-        for k in ("loss", *(k for k in metrics if k not in ("loss", "grad_norm", "lr"))):
-            worst = max(worst, float((metrics[k] - ref_metrics[k]).abs()))
-        worst = max(worst, float((metrics["grad_norm"] - ref_metrics["grad_norm"]).abs()) * 1e-4)  # float32
+        for k in ("loss", "skipped", *(k for k in metrics if k not in ("loss", "grad_norm", "lr", "skipped"))):
+            if k in metrics:
+                worst = max(worst, _difference(metrics[k], ref_metrics[k]))
+        worst = max(worst, _difference(metrics["grad_norm"], ref_metrics["grad_norm"]) * 1e-4)  # float32
     full = step.full_params(state)
     for name, p in ref_state.params.items():
-        worst = max(worst, float((full[name] - p).abs().max()))
+        worst = max(worst, _difference(full[name], p))
     return worst, in_order
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest absolute difference, 0 where both are the same non-finite value, inf where
+    only one is finite (a NaN never hides in ``max``)."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    d = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    return float(torch.nan_to_num(d, nan=float("inf")).max())

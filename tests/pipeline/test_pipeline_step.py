@@ -59,6 +59,16 @@ def _two_stages(points):
     return fsg.Pipeline(schedule="interleaved", virtual_stages=2, split_points=points)
 
 
+def _scale_by_mean_update():
+    """A transformation that reads every gradient, not through fsg.optim.global_norm."""
+
+    def update(updates, state, params=None):
+        mean = sum(u.mean() for u in updates.values())
+        return {k: u * mean for k, u in updates.items()}, state
+
+    return fsg.optim.GradientTransformation(lambda params: fsg.optim.EmptyState(), update)
+
+
 def _mlp_step(**kwargs):
     loss_fn, params, batch = pipeline_workers.problem("mlp", 3, 8)
     options = {"accum_steps": 2, "backend": "eager", **kwargs}
@@ -82,11 +92,11 @@ def _mlp_step(**kwargs):
         ({"pipeline": fsg.Pipeline(schedule="interleaved", virtual_stages=8)}, fsg.ArgumentError, "only 4 splittable"),
         ({"accum_steps": 3}, fsg.BatchError, "cannot split into equal microbatches"),
         (
-            {"optimizer": fsg.optim.chain(fsg.optim.clip_by_global_norm(1.0), fsg.optim.sgd(0.1))},
+            {"optimizer": fsg.optim.chain(_scale_by_mean_update(), fsg.optim.sgd(0.1))},
             fsg.UnsupportedError,
-            "clip_by_global_norm",
+            "other than",
         ),
-        ({"skip_nonfinite": True}, fsg.UnsupportedError, "skip_nonfinite=True"),
+        ({"fused_loss": True}, fsg.UnsupportedError, "fused_loss=True"),
         ({"microbatch_weight": len}, fsg.UnsupportedError, "microbatch_weight"),
     ],
 )
@@ -148,4 +158,26 @@ def test_tied_gpt_and_pp4_equal_unsharded(ranks, pp, model, layers, schedule, po
     virtual = 2 if schedule == "interleaved" else 1
     work = pipeline_workers.pipeline_matches_unsharded
     for worst, in_order in ranks(pp).run(work, model, layers, schedule, virtual, points, 4, 2, backend):
+        assert worst < 1e-10 and in_order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "schedule", "clip", "poison"),
+    [("mlp-ratio", "1f1b", False, None), ("gpt", "zbh1", True, None), ("mlp", "gpipe", True, 1)],
+)
+def test_pp_x_dp_equals_unsharded(ranks, model, schedule, clip, poison):
+    """pp=2 x dp=2 on 4 gloo ranks: each stage's graphs expanded over dp. A loss that is a ratio
+    of sums over the rows (no mean of per-row terms), the tied GPT, global-norm clipping (a norm
+    over the pp ranks) and a skipped non-finite step all equal the unsharded step."""
+    work = pipeline_workers.pipeline_matches_unsharded
+    for worst, in_order in ranks(4).run(work, model, 3, schedule, 1, None, 2, 3, "eager", 2, clip, poison):
+        assert worst < 1e-10 and in_order
+
+
+@pytest.mark.slow
+def test_clipping_and_skipping_over_pp2_equal_unsharded(ranks):
+    """clip_by_global_norm reduces its norm over both stages; a NaN row skips the step on every stage."""
+    work = pipeline_workers.pipeline_matches_unsharded
+    for worst, in_order in ranks(2).run(work, "mlp", 4, "1f1b", 1, None, 2, 3, "eager", 1, True, 1):
         assert worst < 1e-10 and in_order

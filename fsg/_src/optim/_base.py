@@ -7,7 +7,9 @@ carry and a checkpoint can save; nothing is hidden in Python objects.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -130,6 +132,9 @@ def global_norm(updates: Updates) -> torch.Tensor:
       tensor(5.)
     """
     leaves, _ = tree.flatten(updates)
+    split = _SPLIT.get()
+    if split is not None:  # a pipeline rank's part of the updates: the norm over every rank's
+        return split.norm(leaves)
     if not leaves:
         return torch.zeros(())
     dtype = scalar_dtype(updates)
@@ -146,3 +151,25 @@ def device_of(params: Params) -> torch.device:
 def zeros_count(params: Params) -> torch.Tensor:
     """A fresh int32 update counter on the parameters' device."""
     return torch.zeros((), dtype=torch.int32, device=device_of(params))
+
+
+class LeafSplit(NamedTuple):
+    """The updates one pipeline rank's optimizer sees are its part of the whole tree: ``norm``
+    returns the norm of the whole tree from this rank's leaves (a reduction over the ranks).
+    Set by ``split_leaves`` around an update the pipeline step runs; not a graph option (the
+    pipeline runs the update eagerly, every rank the same code)."""
+
+    norm: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+_SPLIT: contextvars.ContextVar[LeafSplit | None] = contextvars.ContextVar("fsg_leaf_split", default=None)
+
+
+@contextlib.contextmanager
+def split_leaves(split: LeafSplit | None) -> Iterator[None]:
+    """Within it, ``global_norm`` is ``split.norm`` (``None``: the plain norm)."""
+    token = _SPLIT.set(split)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)

@@ -19,10 +19,11 @@ from fsg._src.trace import loss_output, purity
 
 
 def trace_forward(
-    loss_fn: Callable[..., Any], params: dict[str, torch.Tensor], microbatch: Any
+    loss_fn: Callable[..., Any], params: dict[str, torch.Tensor], microbatch: Any, decompositions: Any = None
 ) -> tuple[fx.GraphModule, tuple[str, ...]]:
     """``loss_fn(params, microbatch)`` as a graph of the flat params and batch leaves, and the
-    aux metrics' names."""
+    aux metrics' names; ``decompositions``: a table (on a data mesh, the ops stage 2 has
+    verified rules for: ``op_support.mesh_decompositions``)."""
     names = list(params)
     batch_leaves, batch_def = tree.flatten(microbatch)
     aux_names: list[str] = []
@@ -37,7 +38,7 @@ def trace_forward(
     # inputs that require grad, not a detach() in the graph: a stage differentiates through it
     leaves = [p.detach().requires_grad_(p.is_floating_point()) for p in params.values()]
     with modules.recording():
-        gm = purity.trace(forward, *leaves, *batch_leaves, source_lines=False, decompositions=None)
+        gm = purity.trace(forward, *leaves, *batch_leaves, source_lines=False, decompositions=decompositions)
         gm = _torch_private.functionalize(gm)
     for node in gm.graph.nodes:
         if node.op == "call_function" and _draws(node):

@@ -9,10 +9,13 @@ import torch
 
 from fsg._src import _torch_private, tree
 from fsg._src.errors import UnsupportedError
+from fsg._src.optim import _base as optim_base
 from fsg._src.optim._base import GradientTransformation
-from fsg._src.pipeline import forward, split, stage_fns
+from fsg._src.pipeline import data_axes, forward, split, stage_fns
 from fsg._src.pipeline.actions import Schedule
+from fsg._src.pipeline.data_axes import DataMesh
 from fsg._src.pipeline.options import Pipeline
+from fsg._src.sharding import op_support
 from fsg._src.trace import tracing
 
 
@@ -26,6 +29,9 @@ class Plan(NamedTuple):
     aux_names: tuple[str, ...]
     fns: dict[int, stage_fns.StageFns]  # this rank's stages
     batch_specs: Any  # the batch's abstract signature the plan was traced for
+    data: DataMesh | None  # the mesh's other (data) axes at this rank, if any
+    batch_placements: tuple | None  # on them: each flat batch leaf's
+    norm_dtype: torch.dtype  # a global norm's (fsg.optim.scalar_dtype of all params)
 
 
 def build(
@@ -36,12 +42,15 @@ def build(
     options: Pipeline,
     me: int,
     backend: str,
+    data: DataMesh | None = None,
 ) -> Plan:
     """Traces one microbatch's forward and loss, splits it into ``schedule.num_stages`` stages,
-    and compiles the actions of the stages pipeline index ``me`` runs."""
+    and compiles the actions of the stages pipeline index ``me`` runs (on a data mesh, each
+    expanded over it: ``data_axes``)."""
     tracing.check_accumulation(batch, schedule.num_microbatches)
     microbatch = next(tracing.microbatches(batch, schedule.num_microbatches))
-    gm, aux_names = forward.trace_forward(loss_fn, params, microbatch)
+    decompositions = None if data is None else op_support.mesh_decompositions()
+    gm, aux_names = forward.trace_forward(loss_fn, params, microbatch, decompositions)
     stages = split.split(gm, schedule.num_stages, options.split_points, len(params))
     names = tuple(params)
     readers: dict[str, set[int]] = {n: set() for n in names}
@@ -56,14 +65,33 @@ def build(
         )
     leaves = list(params.values())
     mb_leaves = tree.flatten(microbatch)[0]
-    fns = {}
-    for k in schedule.stages_of(me):
-        stage = stages[k]
-        fns[k] = stage_fns.build(
-            stage, [leaves[i] for i in stage.params], [mb_leaves[j] for j in stage.batch], k == len(stages) - 1, backend
-        )
+    batch_pl = None
+    if data is not None:
+        batch_pl = tuple(data_axes.batch_placements(mb_leaves, data, tree.leaf_paths(microbatch, "batch")))
+    fns, mine, acts_pl = {}, set(schedule.stages_of(me)), ()
+    for k, stage in enumerate(stages):
+        own, mb = [leaves[i] for i in stage.params], [mb_leaves[j] for j in stage.batch]
+        placements = [] if batch_pl is None else [*(batch_pl[j] for j in stage.batch), *acts_pl]
+        last = k == len(stages) - 1
+        if data is None and k not in mine:
+            continue
+        fwd = stage_fns.forward(stage, own, mb, last, data, placements)
+        acts_pl = fwd.placements or ()
+        if k in mine:
+            fns[k] = stage_fns.build(stage, own, mb, last, backend, fwd, data, placements)
     holders = {n: tuple(sorted(r)) for n, r in readers.items()}
-    return Plan(schedule, tuple(stages), names, holders, aux_names, fns, batch_signature(batch))
+    return Plan(
+        schedule,
+        tuple(stages),
+        names,
+        holders,
+        aux_names,
+        fns,
+        batch_signature(batch),
+        data,
+        batch_pl,
+        optim_base.scalar_dtype(params),
+    )
 
 
 def batch_signature(batch: Any) -> Any:
@@ -78,8 +106,9 @@ _PER_PARAMETER: set[tuple] = set()
 
 def check_per_parameter(optimizer: GradientTransformation, params: dict[str, torch.Tensor]) -> None:
     """Raises ``UnsupportedError`` if the optimizer's update of a parameter reads another
-    parameter's gradient (``clip_by_global_norm``, a norm over all updates): each pipeline rank
-    updates only its own parameters, so such an update would see a part of the gradients."""
+    parameter's gradient other than through ``fsg.optim.global_norm`` (which the pipeline step
+    reduces over its ranks, ``LeafSplit``): each pipeline rank updates only its own parameters,
+    so any other reading across them would see a part of the gradients."""
     key = (optimizer, tuple((n, tuple(p.shape), p.dtype) for n, p in params.items()))
     if key in _PER_PARAMETER:
         return
@@ -98,7 +127,12 @@ def _check_per_parameter(optimizer: GradientTransformation, params: dict[str, to
 
     # distinct stand-ins for the gradients and the params (one tensor twice would trace as one input)
     grads, current = ([torch.empty_like(p, device="meta") for p in params.values()] for _ in range(2))
-    gm = _torch_private.trace_fake(update, *grads, *current)
+
+    def norm(leaves):  # a reduction over every rank in the step: no dependence on this rank's leaves
+        return torch.ones((), dtype=optim_base.scalar_dtype(leaves), device="meta")
+
+    with optim_base.split_leaves(optim_base.LeafSplit(norm)):
+        gm = _torch_private.trace_fake(update, *grads, *current)
     reads: dict[Any, frozenset[int]] = {}
     for i, node in enumerate(gm.graph.nodes):
         if node.op == "placeholder":
@@ -111,7 +145,7 @@ def _check_per_parameter(optimizer: GradientTransformation, params: dict[str, to
         if others:
             raise UnsupportedError(
                 f"the optimizer's update of params[{names[i]!r}] reads the gradient of params[{names[others[0]]!r}] "
-                f"(a norm over all gradients, as clip_by_global_norm computes); a pipeline step updates each "
-                f"stage's parameters on its own rank and cannot yet reduce that norm across stages. Drop the "
-                f"global clipping (or clip per parameter) for a pp step"
+                f"other than through fsg.optim.global_norm; a pipeline step updates each stage's parameters on "
+                f"its own rank and reduces only fsg.optim.global_norm (clip_by_global_norm) across them. Write "
+                f"the cross-parameter reduction with fsg.optim.global_norm, or drop it for a pp step"
             )

@@ -9,10 +9,12 @@ from typing import Any
 import torch
 
 from fsg._src import tree
+from fsg._src.pipeline import data_axes
 from fsg._src.pipeline.actions import Action
 from fsg._src.pipeline.exchange import Exchange
 from fsg._src.pipeline.plan import Plan
 from fsg._src.pipeline.simulate import Event
+from fsg._src.sharding import spmd
 from fsg._src.trace import tracing
 
 
@@ -33,12 +35,15 @@ def run(plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], 
     schedule, stages = plan.schedule, plan.stages
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     micro = [tree.flatten(mb)[0] for mb in tracing.microbatches(batch, m)]
+    if plan.data is not None:  # this rank's rows of each microbatch
+        micro = [[spmd.local_shard(t, p, plan.data) for t, p in zip(mb, plan.batch_placements)] for mb in micro]
     width = 1 + max(len(s.outputs) for s in stages)
     exchange = Exchange(me, ranks, schedule.num_stages, m, width)
     device = next(iter(params.values())).device
     inputs: dict[tuple[int, int], tuple[list, list, list]] = {}  # (stage, mb) -> params, batch, activations
     cotangents: dict[tuple[int, int], list] = {}
     held: dict[tuple[int, int], list] = {}  # full backward: input gradients sent after W
+    sums: dict[tuple[int, str], torch.Tensor] = {}  # (stage, param) -> its gradient summed over microbatches
     result = Result()
     weight = torch.full((), 1.0 / m, dtype=stages[last].outputs[0].dtype, device=device)
 
@@ -50,7 +55,7 @@ def run(plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], 
         kind, s, j = action
         stage, fns = stages[s], plan.fns[s]
         if kind == "F":
-            acts = exchange.receive(schedule.rank_of(s - 1), ("F", s, j), stage.inputs, device) if s > 0 else []
+            acts = exchange.receive(schedule.rank_of(s - 1), ("F", s, j), fns.input_like, device) if s > 0 else []
             own = [params[plan.names[i]] for i in stage.params]
             inputs[(s, j)] = (own, [micro[j][b] for b in stage.batch], acts)
             start = time.time()
@@ -64,7 +69,7 @@ def run(plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], 
             if s == last:
                 cot = [weight]
             else:
-                wanted = [t for t, d in zip(stage.outputs, fns.grad_outputs) if d]
+                wanted = [t for t, d in zip(fns.output_like, fns.grad_outputs) if d]
                 cot = exchange.receive(schedule.rank_of(s + 1), ("B", s, j), wanted, device)
             cotangents[(s, j)] = cot
             start = time.time()
@@ -78,13 +83,19 @@ def run(plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], 
             start = time.time()
             grads = fns.backward_weight(*_flat(inputs.pop((s, j))), *cotangents.pop((s, j)))
             for i, g in zip([i for i in stage.params if params[plan.names[i]].is_floating_point()], grads):
-                name = plan.names[i]
-                result.grads[name] = g if name not in result.grads else result.grads[name] + g
+                key = (s, plan.names[i])
+                sums[key] = g if key not in sums else sums[key] + g
             end = time.time()
             if schedule.full_backward:
                 send_gradients(s, j, held.pop((s, j)))
         result.events.append(Event(Action(kind, s, j), start, end))
     exchange.finish()
+    for (s, name), g in sums.items():  # each stage's sum over dp where it is a partial sum, then over stages
+        if plan.data is not None:
+            trained = [i for i in stages[s].params if params[plan.names[i]].is_floating_point()]
+            placement = plan.fns[s].weight_placements[trained.index(plan.names.index(name))]
+            g = data_axes.reduce_gradient(g, placement, plan.data)
+        result.grads[name] = g if name not in result.grads else result.grads[name] + g
     return result
 
 

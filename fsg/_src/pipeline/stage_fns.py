@@ -11,12 +11,15 @@ first slice; keeping the forward's residuals for ``B`` and ``W`` is the follow-u
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from fsg._src import _torch_private
 from fsg._src.backend.inductor import compile_graph
+from fsg._src.pipeline import data_axes
+from fsg._src.pipeline.data_axes import DataMesh
 from fsg._src.pipeline.split import StageGraph
 
 
@@ -28,6 +31,43 @@ class StageFns(NamedTuple):
     backward_weight: Callable[..., Any]
     grad_inputs: tuple[bool, ...]  # per activation input: gets a gradient (sent back)
     grad_outputs: tuple[bool, ...]  # per output: takes a cotangent (received, or the loss's weight)
+    input_like: tuple[torch.Tensor, ...]  # an empty tensor of each activation input's (local) shape
+    output_like: tuple[torch.Tensor, ...]  # of each output's
+    weight_placements: tuple | None  # on a data mesh: each W output's placement (a partial sum: reduce it)
+
+
+class Forward(NamedTuple):
+    """A stage's forward graph on this rank, and where its outputs live (on a data mesh)."""
+
+    graph: Any  # an fx.GraphModule
+    placements: tuple[tuple[Placement, ...], ...] | None
+    output_like: tuple[torch.Tensor, ...]
+
+
+def forward(
+    stage: StageGraph,
+    params: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    last: bool,
+    data: DataMesh | None = None,
+    placements: Sequence[tuple[Placement, ...]] = (),
+) -> Forward:
+    """The stage's forward traced on global inputs like ``params``, ``batch`` and its
+    activation inputs; on a data mesh expanded over it, ``placements`` those of its batch then
+    activation inputs (every rank traces every stage's: the next stage takes its outputs'
+    placements)."""
+    device = params[0].device if params else batch[0].device
+    acts = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in stage.inputs]
+    gm = _torch_private.trace_fake(stage.graph, *params, *batch, *acts)
+    if data is None:
+        return Forward(gm, None, tuple(torch.empty(t.shape, dtype=t.dtype, device=device) for t in stage.outputs))
+    rep = (Replicate(),) * len(data.shape)
+
+    def place(i, out):  # the last stage's loss and aux replicated (the metrics); activations un-partialed
+        return out.redistribute(data.device_mesh, rep) if last else data_axes.reduced(out, data)
+
+    expanded = data_axes.expand(gm, [*params, *batch, *acts], [rep] * len(params) + list(placements), data, place)
+    return Forward(expanded.graph, expanded.placements, expanded.local_outputs)
 
 
 def differentiable(t: torch.Tensor) -> bool:
@@ -35,10 +75,18 @@ def differentiable(t: torch.Tensor) -> bool:
 
 
 def build(
-    stage: StageGraph, params: list[torch.Tensor], batch: list[torch.Tensor], last: bool, backend: str
+    stage: StageGraph,
+    params: list[torch.Tensor],
+    batch: list[torch.Tensor],
+    last: bool,
+    backend: str,
+    fwd: Forward,
+    data: DataMesh | None = None,
+    placements: Sequence[tuple[Placement, ...]] = (),
 ) -> StageFns:
-    """Traces and compiles ``stage``'s actions for inputs like ``params`` and ``batch`` (its own
-    leaves, in its order)."""
+    """Traces and compiles ``stage``'s actions for global inputs like ``params`` and ``batch``
+    (its own leaves, in its order), ``fwd`` its forward (``forward``); on a data mesh,
+    ``placements`` are its batch then activation inputs' (the previous stage's outputs')."""
     device = params[0].device if params else batch[0].device
     acts = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in stage.inputs]
     outs = stage.outputs[:1] if last else stage.outputs
@@ -65,9 +113,35 @@ def build(
         return fn
 
     example = [*params, *batch, *acts, *cots]
-    backward_input = None
-    if any(grad_inputs):
-        backward_input = compile_graph(_torch_private.trace_fake(gradients(False), *example), backend)
-    backward_weight = compile_graph(_torch_private.trace_fake(gradients(True), *example), backend)
-    forward = compile_graph(_torch_private.trace_fake(stage.graph, *params, *batch, *acts), backend)
-    return StageFns(forward, backward_input, backward_weight, grad_inputs, grad_outputs)
+    b_graph = _torch_private.trace_fake(gradients(False), *example) if any(grad_inputs) else None
+    w_graph = _torch_private.trace_fake(gradients(True), *example)
+    input_like, weight_placements = tuple(acts), None
+    if data is not None:
+        rep = (Replicate(),) * len(data.shape)
+        cot_placements = [p for p, d in zip(fwd.placements[: len(outs)], grad_outputs) if d]
+        every = [rep] * n_p + list(placements) + cot_placements
+        act_placements = list(placements[n_b:])
+        if b_graph is not None:  # each input gradient where its activation came from
+            wanted = [p for p, g in zip(act_placements, grad_inputs) if g]
+            b_graph = data_axes.expand(
+                b_graph, example, every, data, lambda i, o: o.redistribute(data.device_mesh, wanted[i])
+            ).graph
+
+        def whole_or_partial(i, out):  # a partial sum stays local: reduced once a step (data_axes)
+            shards = tuple(Replicate() if isinstance(p, Shard) else p for p in out.placements)
+            return out if shards == tuple(out.placements) else out.redistribute(data.device_mesh, shards)
+
+        w = data_axes.expand(w_graph, example, every, data, whole_or_partial)
+        w_graph, weight_placements = w.graph, w.placements
+        input_like = tuple(data_axes.local_like(a, p, data) for a, p in zip(acts, act_placements))
+    backward_input = None if b_graph is None else compile_graph(b_graph, backend)
+    return StageFns(
+        compile_graph(fwd.graph, backend),
+        backward_input,
+        compile_graph(w_graph, backend),
+        grad_inputs,
+        grad_outputs,
+        input_like,
+        fwd.output_like,
+        weight_placements,
+    )

@@ -3,27 +3,32 @@
 Each rank traces the forward and loss of one microbatch, splits it into stages
 (``split.py``), compiles its own stages' forward, input-gradient and weight-gradient graphs
 (``stage_fns.py``) and runs its list of the schedule's actions from Python (``runner.py``),
-with ``torch.distributed`` point-to-point messages between ranks. Then the gradients of a
+with ``torch.distributed`` point-to-point messages between ranks; on ``pp x dp`` each action's
+graph is expanded over the ``dp`` sub-mesh (``data_axes.py``). Then the gradients of a
 parameter several ranks hold (tied embeddings) are summed over them, the loss is broadcast from
-the last stage, the global gradient norm is one all-reduce of sums of squares, and each rank
-applies the optimizer to the parameters it holds. The DESIGN's goal, one static graph per rank
+the last stage, the global gradient norm is one all-reduce of sums of squares (also the norm
+``fsg.optim.global_norm`` gives the update: clipping), and each rank applies the optimizer to
+the parameters it holds, or keeps them on a non-finite step (``skip_nonfinite``). The DESIGN's goal, one static graph per rank
 with the sends and receives inside it, is the follow-up.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from fsg._src import tree
 from fsg._src.errors import ArgumentError, RecompileError, RecompileWarning, UnsupportedError
 from fsg._src.mesh import Mesh
+from fsg._src.optim import _base as optim_base
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
+from fsg._src.pipeline import data_axes, runner
 from fsg._src.pipeline import plan as plan_lib
-from fsg._src.pipeline import runner
 from fsg._src.pipeline.actions import Action
 from fsg._src.pipeline.options import Pipeline
 from fsg._src.pipeline.schedules import make_schedule
@@ -51,21 +56,29 @@ class PipelineStep:
         accum_steps: int,
         backend: str,
         strict: bool,
+        skip_nonfinite: bool = False,
     ):
         self._loss_fn, self._optimizer, self._options = loss_fn, optimizer, pipeline
-        self._backend, self._strict = backend, strict
+        self._backend, self._strict, self._skip = backend, strict, skip_nonfinite
         pp = mesh.axis_size("pp")
         self._schedule = make_schedule(pipeline.schedule, pp, accum_steps, virtual=pipeline.virtual_stages)
+        others = tuple(a for a in mesh.axis_names if a != "pp")
         if mesh.size > 1:
             self._group = mesh.device_mesh.get_group("pp")
-            self._ranks = [int(r) for r in mesh.device_mesh.mesh.flatten()]
+            self._ranks = dist.get_process_group_ranks(self._group)  # the pp ranks at this rank's data coordinate
             self._me = self._ranks.index(dist.get_rank())
         else:
             self._group, self._ranks, self._me = None, [0], 0
+        self._data = data_axes.DataMesh(mesh, others) if others and mesh.size > pp else None
         self._plan: plan_lib.Plan | None = None
         self.mesh = mesh
         self.executed: list[Action] = []  # this rank's actions in the order the last call ran them
         self.events: list = []  # their wall-clock Events (time.time(): one clock per host)
+
+    @property
+    def pipeline_index(self) -> int:
+        """This rank's index on the ``pp`` axis (the row of ``step.schedule()`` it runs)."""
+        return self._me
 
     @property
     def num_compiles(self) -> int:
@@ -99,7 +112,7 @@ class PipelineStep:
         params = Policy().resolve(params).cast_param({n: p.detach().clone() for n, p in params.items()})
         plan_lib.check_per_parameter(self._optimizer, params)
         self._plan = plan_lib.build(
-            self._loss_fn, params, batch, self._schedule, self._options, self._me, self._backend
+            self._loss_fn, params, batch, self._schedule, self._options, self._me, self._backend, self._data
         )
         mine = {n: p for n, p in params.items() if self._me in self._plan.holders[n]}
         device = next(iter(params.values())).device
@@ -123,15 +136,22 @@ class PipelineStep:
         for name in (n for n in plan.names if len(plan.holders[n]) > 1):  # tied: summed over its holders
             g = grads[name] if name in grads else torch.zeros(self._shape(plan, name), dtype=self._dtype(plan, name))
             self._all_reduce(g)
-        metrics = self._metrics(plan, result, grads)
-        with torch.no_grad():
+        split = optim_base.LeafSplit(functools.partial(self._norm, plan, list(state.params)))
+        metrics = self._metrics(plan, result, split.norm(tree.flatten(grads)[0]))
+        with torch.no_grad(), optim_base.split_leaves(split):
             updates, opt_state = self._optimizer.update(grads, state.opt_state, state.params)
             params = apply_updates(state.params, updates)
+        skips = state.skips
+        if self._skip:  # the loss and the norm are the same on every rank: one decision
+            finite = resilience.is_finite(metrics["loss"], metrics["grad_norm"])
+            params, opt_state = resilience.keep_if_skipped(finite, (params, opt_state), (state.params, state.opt_state))
+            skips = resilience.next_skips(finite, state.skips)
+            metrics["skipped"] = skips.skipped
         lr = learning_rate(opt_state)
         if lr is not None:
             metrics["lr"] = lr
         rng = torch.cat([state.rng[:1], state.rng[1:] + 1])
-        new = TrainState(state.step + 1, params, opt_state, rng, state.buffers, state.skips, state.loss_scale)
+        new = TrainState(state.step + 1, params, opt_state, rng, state.buffers, skips, state.loss_scale)
         return new, dict(sorted(metrics.items()))
 
     def schedule(self) -> Timeline:
@@ -175,7 +195,9 @@ class PipelineStep:
         full = {
             n: state.params.get(n, torch.empty(self._shape(plan, n), dtype=self._dtype(plan, n))) for n in plan.names
         }
-        new = plan_lib.build(self._loss_fn, full, batch, self._schedule, self._options, self._me, self._backend)
+        new = plan_lib.build(
+            self._loss_fn, full, batch, self._schedule, self._options, self._me, self._backend, self._data
+        )
         if new.holders != plan.holders:
             raise UnsupportedError(
                 "the new batch shape moves parameters between pipeline ranks; keep batch shapes fixed"
@@ -188,7 +210,26 @@ class PipelineStep:
             raise ArgumentError("call step.init(params, batch=...) before running a pipeline step")
         return self._plan
 
-    def _metrics(self, plan: plan_lib.Plan, result: runner.Result, grads: dict) -> dict[str, torch.Tensor]:
+    def _norm(self, plan: plan_lib.Plan, names: list[str], leaves: list[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of a tree like ``state.params`` from this rank's part of it: each
+        leaf counted on the first rank that holds it, the squares summed over the pp ranks
+        (``fsg.optim.global_norm`` within the pipeline's update)."""
+        order = tree.flatten(dict.fromkeys(names, 0))[0]  # flatten order is by key
+        keys = tree.flatten({n: n for n in names})[0]
+        if len(leaves) != len(order):
+            raise UnsupportedError(
+                f"fsg.optim.global_norm of {len(leaves)} leaves inside a pipeline step's update, whose rank holds "
+                f"{len(order)} params: a pipeline reduces a global norm over the updates' tree of params only"
+            )
+        dtype = plan.norm_dtype
+        squares = torch.zeros((), dtype=dtype, device=leaves[0].device if leaves else None)
+        for key, leaf in zip(keys, leaves):
+            if plan.holders[key][0] == self._me:
+                squares = squares + leaf.to(dtype).square().sum()
+        self._all_reduce(squares)
+        return torch.sqrt(squares)
+
+    def _metrics(self, plan: plan_lib.Plan, result: runner.Result, grad_norm: torch.Tensor) -> dict[str, torch.Tensor]:
         last = self._schedule.rank_of(self._schedule.num_stages - 1)
         outs = plan.stages[-1].outputs
         if self._me == last:  # the mean over microbatches, as the unsharded step's accumulation
@@ -201,11 +242,7 @@ class PipelineStep:
         if self._group is not None:
             for v in values:
                 dist.broadcast(v, src=self._ranks[last], group=self._group)
-        squares = sum(
-            (g.float().square().sum() for n, g in grads.items() if plan.holders[n][0] == self._me), torch.zeros(())
-        )
-        self._all_reduce(squares)
-        metrics = {"loss": values[0], "grad_norm": torch.sqrt(squares)}
+        metrics = {"loss": values[0], "grad_norm": grad_norm}
         metrics.update(zip(plan.aux_names, values[1:]))
         return metrics
 
@@ -224,55 +261,3 @@ def _param_value(plan: plan_lib.Plan, name: str) -> torch.Tensor:
     i = plan.names.index(name)
     k = next(k for k, s in enumerate(plan.stages) if i in s.params)
     return plan.stages[k].graph.graph.find_nodes(op="placeholder")[plan.stages[k].params.index(i)].meta["val"]
-
-
-# compile_step's options a pipeline step runs with, and the value each must keep in this slice
-_DEFAULTS = {
-    "param_sharding": None,
-    "batch_sharding": None,
-    "precision": None,
-    "microbatch_weight": None,
-    "fused_optimizer": (None, False),
-    "cuda_graph": (None, False),
-    "verify": False,
-    "skip_nonfinite": (None, False),
-    "check_replicas": (None, 0),
-    "fused_loss": (None, False),
-}
-
-
-def compile_pipeline_step(
-    loss_fn: Callable[..., Any],
-    mesh: Mesh | None,
-    optimizer: GradientTransformation,
-    pipeline: Pipeline | None,
-    options: dict[str, Any],
-) -> PipelineStep:
-    """``compile_step``'s pipeline branch: checks what this slice supports, then builds the step."""
-    pipeline = Pipeline() if pipeline is None else pipeline
-    if not isinstance(pipeline, Pipeline):
-        raise ArgumentError(f"compile_step(pipeline=...) takes an fsg.Pipeline, got {type(pipeline).__name__}")
-    if mesh is None or "pp" not in mesh.axis_names:
-        raise ArgumentError("compile_step(pipeline=...) needs a mesh with a 'pp' axis, e.g. fsg.Mesh({'pp': 2})")
-    if mesh.axis_names != ("pp",):
-        raise UnsupportedError(
-            f"a pipeline step runs on a mesh of the 'pp' axis alone for now; {mesh!r} adds "
-            f"{[a for a in mesh.axis_names if a != 'pp']} (pp x dp, fsdp, tp are follow-ups): use fsg.Mesh({{'pp': N}})"
-        )
-    for name, allowed in _DEFAULTS.items():
-        allowed = allowed if isinstance(allowed, tuple) else (allowed,)
-        value = options.get(name, allowed[0])
-        if value not in allowed:
-            raise UnsupportedError(
-                f"compile_step({name}={value!r}) is not supported with a pipeline (pp) mesh yet; leave {name} at "
-                f"its default for a pp step"
-            )
-    return PipelineStep(
-        loss_fn,
-        mesh,
-        optimizer,
-        pipeline,
-        accum_steps=options.get("accum_steps", 1),
-        backend=options.get("backend", "inductor"),
-        strict=options.get("strict", False),
-    )

@@ -10,8 +10,9 @@ from fsg._src.mesh import Mesh, P
 from fsg._src.optim._base import GradientTransformation
 from fsg._src.passes import options as fusion_options
 from fsg._src.passes.options import Fusions
+from fsg._src.pipeline.compile import compile_pipeline_step
 from fsg._src.pipeline.options import Pipeline
-from fsg._src.pipeline.step import PipelineStep, compile_pipeline_step
+from fsg._src.pipeline.step import PipelineStep
 from fsg._src.precision import Policy
 from fsg._src.rules import Rules
 from fsg._src.runtime import validate

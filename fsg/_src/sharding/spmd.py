@@ -277,3 +277,10 @@ def expand(
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def run_global(gm: fx.GraphModule, mesh: Any, inputs: list[DTensor]) -> Any:
+    """Runs a global graph that carries no ``fsg::`` markers (a pipeline stage's action) on
+    ``DTensor`` inputs under rules 1 and 4, every mesh axis a data axis; ``mesh`` has
+    ``axis_names``, ``shape`` and ``device_mesh`` (``pipeline/data_axes.DataMesh``)."""
+    return _Expander(gm, ShardPlan(mesh, (), (), (), tuple(mesh.axis_names))).run(*inputs)
