@@ -142,3 +142,58 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
     same = (a == b) | (a.isnan() & b.isnan())
     d = torch.where(same, torch.zeros_like(a), (a - b).abs())
     return float(torch.nan_to_num(d, nan=float("inf")).max())
+
+
+def checkpoint_restores_anywhere(path: str, dp: int, other_pp: int):
+    """On ``{"pp": world // dp, "dp": dp}``: two steps, a save, a third step. Then the saved
+    checkpoint restored three ways, each running the third step again: onto the same mesh
+    (bit for bit), onto ``{"pp": other_pp}`` and into the unsharded step (to 1e-10). Returns
+    the largest differences ``(same, other pp, unsharded)`` and whether
+    ``fsg.checkpoint.save`` of one rank's part was refused."""
+    world = dist.get_world_size()
+    loss_fn, params, batch = problem("gpt", 4, 8)
+    pipeline = fsg.Pipeline(schedule="gpipe")
+
+    def pipeline_step(axes):
+        mesh = fsg.testing.mesh(axes)
+        return fsg.compile_step(loss_fn, mesh, optimizer=CLIPPED, accum_steps=2, backend="eager", pipeline=pipeline)
+
+    def batch_at(i):
+        return {k: v.roll(i, 0) for k, v in batch.items()}
+
+    step = pipeline_step({"pp": world // dp, **({"dp": dp} if dp > 1 else {})})
+    state = step.init(params, batch=batch)
+    for i in range(2):
+        state, _ = step(state, batch_at(i))
+    try:  # the plain save of one rank's part is refused, naming step.save
+        fsg.checkpoint.save(path + ".plain", state)
+        refused = False
+    except fsg.CheckpointError as exc:
+        refused = "step.save" in str(exc)
+    step.save(path, state, metadata={"step": 2})
+    after, metrics = step(state, batch_at(2))
+    want = step.full_params(after)
+
+    same = step.restore(path, like=step.init(params, batch=batch))
+    again, metrics_again = step(same, batch_at(2))
+    exact = max(_difference(a, b) for a, b in zip(tree_leaves(again), tree_leaves(after)))
+    exact = max(exact, _difference(metrics["loss"], metrics_again["loss"]))
+
+    other = pipeline_step({"pp": other_pp})
+    restored = other.restore(path, like=other.init(params, batch=batch))
+    moved, _ = other(restored, batch_at(2))
+    moved_full = other.full_params(moved)
+    other_pp_diff = max(_difference(moved_full[n], want[n]) for n in want)
+
+    reference = fsg.compile_step(loss_fn, optimizer=CLIPPED, accum_steps=2, backend="eager")
+    ref_state = fsg.checkpoint.restore(path, like=reference.init(params))
+    ref_state, ref_metrics = reference(ref_state, batch_at(2))
+    unsharded = max(_difference(ref_state.params[n], want[n]) for n in want)
+    unsharded = max(unsharded, _difference(ref_metrics["loss"], metrics["loss"]))
+    return exact, other_pp_diff, unsharded, refused
+
+
+def tree_leaves(state):
+    import optree
+
+    return [leaf for leaf in optree.tree_leaves(state, namespace="fsg") if isinstance(leaf, torch.Tensor)]

@@ -181,3 +181,12 @@ def test_clipping_and_skipping_over_pp2_equal_unsharded(ranks):
     work = pipeline_workers.pipeline_matches_unsharded
     for worst, in_order in ranks(2).run(work, "mlp", 4, "1f1b", 1, None, 2, 3, "eager", 1, True, 1):
         assert worst < 1e-10 and in_order
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_onto_any_pp_size_and_the_unsharded_step(ranks, tmp_path):
+    """Saved on pp=2 x dp=2, restored onto the same mesh (the next step bit for bit), onto pp=4
+    and into the unsharded step (``fsg.checkpoint.restore``): one checkpoint of the whole state."""
+    work = pipeline_workers.checkpoint_restores_anywhere
+    for exact, other_pp, unsharded, refused in ranks(4).run(work, str(tmp_path / "ckpt"), 2, 4):
+        assert exact == 0.0 and other_pp < 1e-10 and unsharded < 1e-10 and refused

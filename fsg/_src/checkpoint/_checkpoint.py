@@ -272,6 +272,12 @@ def restore(path: str | Path, like: Any, *, select: str = ROOT) -> Any:
       CheckpointError: the checkpoint is missing, incomplete, corrupt or truncated, or does not
         match ``like`` (each message names the file and the leaf).
     """
+    return restore_part(path, like, select=select, whole=True)
+
+
+def restore_part(path: str | Path, like: Any, *, select: str = ROOT, whole: bool = False) -> Any:
+    """``restore``; with ``whole=False`` the saved tree may hold more leaves than ``like``
+    (a pipeline rank restores the parameters its stages hold: ``pipeline/checkpoints.py``)."""
     path = Path(path)
     if not isinstance(select, str) or not (select == ROOT or select.startswith((ROOT + ".", ROOT + "["))):
         raise CheckpointError(f"restore(select={select!r}): select is a leaf path from {ROOT!r}, e.g. 'state.params'")
@@ -280,7 +286,7 @@ def restore(path: str | Path, like: Any, *, select: str = ROOT) -> Any:
     like_leaves, treedef = tree.flatten(like)
     like_paths = tree.leaf_paths(like, select)
     missing = [p for p in like_paths if p not in by_path]
-    extra = [p for p in by_path if p.startswith(select) and p not in set(like_paths)]
+    extra = [p for p in by_path if p.startswith(select) and p not in set(like_paths)] if whole else []
     if missing or extra:
         raise CheckpointError(
             f"{path}: like= does not match the saved tree under {select!r}: the checkpoint lacks {missing[:5]}"

@@ -68,9 +68,18 @@ def check_plain_replicated(paths: list[str], leaves: list[Any], world: int, grou
     plain = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor)]
     if world == 1 or not plain:
         return
+    structure = zlib.crc32("\n".join(paths).encode())
     mine = [zlib.crc32(_io.host_bytes(leaves[i])) for i in plain]
     every: list[Any] = [None] * world
-    dist.all_gather_object(every, mine, group=group)
+    dist.all_gather_object(every, (structure, mine), group=group)
+    others = [r for r, (s, _) in enumerate(every) if s != structure]
+    if others:
+        raise CheckpointError(
+            f"the ranks save trees of different leaves (ranks {others} hold other paths than this rank's "
+            f"{len(paths)}); every rank saves the same tree. A pipeline step's ranks each hold a part of the "
+            f"state: save it with step.save(path, state), which writes the whole tree"
+        )
+    every = [crcs for _, crcs in every]
     for k, i in enumerate(plain):
         values = [crcs[k] for crcs in every]
         if len(set(values)) > 1:

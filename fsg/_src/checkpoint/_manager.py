@@ -189,7 +189,9 @@ class CheckpointManager:
                 f"CheckpointManager.restore(None): {self.directory} has no complete checkpoint (latest() is None); "
                 f"use restore_or_init(init_fn) to start fresh when there is none"
             )
-        checks.integer("CheckpointManager.restore(step)", step, low=0, fix=f"Pick one of all_steps() = {self.all_steps()}")
+        checks.integer(
+            "CheckpointManager.restore(step)", step, low=0, fix=f"Pick one of all_steps() = {self.all_steps()}"
+        )
         return _checkpoint.restore(self.step_dir(step), like, select=select)
 
     def restore_or_init(self, init_fn: Callable[[], Any]) -> Any:

@@ -27,7 +27,7 @@ from fsg._src.mesh import Mesh
 from fsg._src.optim import _base as optim_base
 from fsg._src.optim._base import GradientTransformation, apply_updates
 from fsg._src.optim._transforms import learning_rate
-from fsg._src.pipeline import data_axes, runner
+from fsg._src.pipeline import checkpoints, data_axes, runner
 from fsg._src.pipeline import plan as plan_lib
 from fsg._src.pipeline.actions import Action
 from fsg._src.pipeline.options import Pipeline
@@ -183,6 +183,23 @@ class PipelineStep:
                 dist.broadcast(t, src=self._ranks[owner], group=self._group)
             out[name] = t
         return out
+
+    def save(self, path: str, state: TrainState, *, metadata: Any = None) -> None:
+        """Saves the whole state as one checkpoint, each leaf written by the first stage's rank
+        holding it: the unsharded step's tree, so it restores onto any ``pp`` size or none
+        (``pipeline/checkpoints.py``). Call it on every rank."""
+        plan = self._require_plan()
+        every = {n: torch.empty(self._shape(plan, n), dtype=self._dtype(plan, n), device="meta") for n in plan.names}
+        writes = self._data is None or dist.get_rank(self._data.group) == 0
+        checkpoints.save(
+            path, state, optimizer=self._optimizer, every_param=every, holders=plan.holders, me=self._me,
+            writes=writes, metadata=metadata,
+        )  # fmt: skip
+
+    def restore(self, path: str, like: TrainState) -> TrainState:
+        """This rank's state from a checkpoint of the whole state (``save``'s on any ``pp``
+        size, or an unsharded step's); ``like``: this rank's state (``step.init``)."""
+        return checkpoints.restore(path, like)
 
     def _plan_for(self, state: TrainState, batch: Any) -> plan_lib.Plan:
         plan = self._require_plan()
