@@ -13,8 +13,9 @@ import fsg.testing
 class Mlp(nn.Module):
     """An input projection, ``n`` residual tanh layers, a head; a mean squared error."""
 
-    def __init__(self, n: int, d: int = 6):
+    def __init__(self, n: int, d: int = 6, dropout: float = 0.0):
         super().__init__()
+        self.drop = nn.Dropout(dropout)
         self.inp = nn.Linear(3, d)
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
         self.head = nn.Linear(d, 2)
@@ -22,14 +23,14 @@ class Mlp(nn.Module):
     def forward(self, x):
         h = self.inp(x)
         for layer in self.layers:
-            h = h + torch.tanh(layer(h))
+            h = h + self.drop(torch.tanh(layer(h)))
         return self.head(h)
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, dropout: float = 0.0):
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -39,7 +40,11 @@ class Block(nn.Module):
         q, k, v = (
             t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in self.qkv(self.ln1(x_BTD)).split(D, -1)
         )
-        a_BTD = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
+        a_BTD = (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout)
+            .transpose(1, 2)
+            .reshape(B, T, D)
+        )
         x_BTD = x_BTD + self.proj(a_BTD)
         return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
 
@@ -47,16 +52,17 @@ class Block(nn.Module):
 class Gpt(nn.Module):
     """A tiny GPT whose head is tied to its token embedding (GPT-2's ``wte``)."""
 
-    def __init__(self, n: int, vocab: int = 11, d: int = 8, t: int = 5):
+    def __init__(self, n: int, vocab: int = 11, d: int = 8, t: int = 5, dropout: float = 0.0):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
-        self.h = nn.ModuleList(Block(d, 2) for _ in range(n))
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList(Block(d, 2, dropout) for _ in range(n))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
 
     def forward(self, idx_BT):
-        x = self.wte(idx_BT) + self.wpe(torch.arange(idx_BT.shape[1]))
+        x = self.drop(self.wte(idx_BT) + self.wpe(torch.arange(idx_BT.shape[1])))
         for block in self.h:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -65,19 +71,20 @@ class Gpt(nn.Module):
 def problem(model: str, layers: int, rows: int):
     """``(loss_fn, params, batch)`` of a model, seeded: the same on every rank."""
     torch.manual_seed(0)
-    if model in ("mlp", "mlp-ratio"):
-        net = Mlp(layers).double()
+    dropout = 0.25 if model.endswith("-dropout") else 0.0  # masks keyed by the step: the same as unsharded
+    if model in ("mlp", "mlp-ratio", "mlp-dropout"):
+        net = Mlp(layers, dropout=dropout).double()
 
         def loss_fn(params, batch):
             squares = (fsg.apply(net, params, batch["x"]) - batch["y"]) ** 2
-            if model == "mlp":
+            if model != "mlp-ratio":
                 return squares.mean()
             # not a mean of per-row terms: a ratio of two sums over the rows (both reduced over dp)
             return squares.sum() / (batch["y"].abs().sum() + squares.detach().max())
 
         batch = {"x": torch.randn(rows, 3, dtype=torch.float64), "y": torch.randn(rows, 2, dtype=torch.float64)}
     else:
-        net = Gpt(layers).double()
+        net = Gpt(layers, dropout=dropout).double()
 
         def loss_fn(params, batch):
             logits = fsg.apply(net, params, batch["idx"])

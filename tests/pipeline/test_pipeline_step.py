@@ -25,9 +25,9 @@ def test_stages_compose_to_the_forward(data, stages):
     """Chaining the stage graphs gives the loss; each param lives on the stages that read it."""
     loss_fn, params, batch = pipeline_workers.problem("mlp", 5, 4)
     points = data.draw(st.one_of(st.none(), split_points_strategy(5, stages)))
-    gm, _ = forward.trace_forward(loss_fn, params, batch)
+    gm = forward.trace_forward(loss_fn, params, batch).graph
     graphs = split.split(gm, stages, points, len(params))
-    leaves, batch_leaves, acts = list(params.values()), list(batch.values()), ()
+    leaves, batch_leaves, acts = list(params.values()), [*batch.values(), *forward.keys_like("cpu")], ()
     for stage in graphs:
         acts = stage.graph(*[leaves[i] for i in stage.params], *[batch_leaves[i] for i in stage.batch], *acts)
     assert torch.equal(acts[0], loss_fn(params, batch))
@@ -42,16 +42,20 @@ def test_stages_compose_to_the_forward(data, stages):
 
 def test_tied_embedding_is_on_both_ends():
     loss_fn, params, batch = pipeline_workers.problem("gpt", 2, 4)
-    gm, aux = forward.trace_forward(loss_fn, params, batch)
+    gm, aux, _ = forward.trace_forward(loss_fn, params, batch)
     graphs = split.split(gm, 3, None, len(params))
     wte = list(params).index("wte.weight")
     assert [wte in g.params for g in graphs] == [True, False, True] and aux == ("logit_mean",)
 
 
-@pytest.mark.parametrize(("schedule", "virtual"), [("interleaved", 2), ("zbh1", 1), ("gpipe", 1)])
-def test_one_rank_holding_every_stage_equals_unsharded(schedule, virtual):
-    """``pp=1``: stages hand over locally; the step equals ``compile_step`` without a pipeline."""
-    worst, in_order = pipeline_workers.pipeline_matches_unsharded("gpt", 2, schedule, virtual, None, 2)
+@pytest.mark.parametrize(
+    ("model", "schedule", "virtual"),
+    [("gpt", "interleaved", 2), ("gpt", "zbh1", 1), ("gpt", "gpipe", 1), ("mlp-dropout", "interleaved", 2)],
+)
+def test_one_rank_holding_every_stage_equals_unsharded(model, schedule, virtual):
+    """``pp=1``: stages hand over locally; the step equals ``compile_step`` without a pipeline
+    (with dropout: each microbatch's stages draw the unrolled step's masks)."""
+    worst, in_order = pipeline_workers.pipeline_matches_unsharded(model, 2, schedule, virtual, None, 2)
     assert worst < 1e-10 and in_order
 
 
@@ -164,12 +168,18 @@ def test_tied_gpt_and_pp4_equal_unsharded(ranks, pp, model, layers, schedule, po
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("model", "schedule", "clip", "poison"),
-    [("mlp-ratio", "1f1b", False, None), ("gpt", "zbh1", True, None), ("mlp", "gpipe", True, 1)],
+    [
+        ("mlp-ratio", "1f1b", False, None),
+        ("gpt", "zbh1", True, None),
+        ("mlp", "gpipe", True, 1),
+        ("gpt-dropout", "1f1b", False, None),
+    ],
 )
 def test_pp_x_dp_equals_unsharded(ranks, model, schedule, clip, poison):
     """pp=2 x dp=2 on 4 gloo ranks: each stage's graphs expanded over dp. A loss that is a ratio
     of sums over the rows (no mean of per-row terms), the tied GPT, global-norm clipping (a norm
-    over the pp ranks) and a skipped non-finite step all equal the unsharded step."""
+    over the pp ranks), a skipped non-finite step and dropout (embedding, residual and attention
+    masks keyed by the step and microbatch) all equal the unsharded step."""
     work = pipeline_workers.pipeline_matches_unsharded
     for worst, in_order in ranks(4).run(work, model, 3, schedule, 1, None, 2, 3, "eager", 2, clip, poison):
         assert worst < 1e-10 and in_order

@@ -218,38 +218,6 @@ def _check_like(entry: dict, like: Any, where: str) -> None:
         )
 
 
-def _restore_leaf(entry: dict, like: torch.Tensor, reader: _io.PieceReader, where: str) -> torch.Tensor:
-    target = _layout.local_piece(like).box if isinstance(like, DTensor) else _layout.full_box(tuple(like.shape))
-    dtype = _io.DTYPES[entry["dtype"]]
-    out = torch.empty([hi - lo for lo, hi in target], dtype=dtype)
-    filled, seen = 0, set()
-    for piece in entry["pieces"]:
-        box = tuple(tuple(b) for b in piece["box"])
-        if box in seen:  # older saves wrote a plain tensor once per rank: read one copy
-            continue
-        seen.add(box)
-        region = _layout.intersect(box, target) if box else ()
-        if region is None:
-            continue  # this rank does not need that piece: its bytes are never read
-        args = (piece["file"], piece["offset"], piece["nbytes"], piece["crc32"], where)
-        if box == target:  # the piece is exactly what this rank holds: read it in place
-            reader.read_into(*args, _io.host_bytes(out))
-            filled += out.numel()
-            continue
-        src = reader.read(*args).view(dtype).reshape([hi - lo for lo, hi in box])
-        part = src[_layout.slices(region, box)]
-        out[_layout.slices(region, target)] = part
-        filled += part.numel()
-    if filled != out.numel():
-        raise CheckpointError(f"{where}: the checkpoint's pieces cover {filled} of {out.numel()} elements")
-    if isinstance(like, DTensor):
-        local = out.to(like.to_local().device)
-        return DTensor.from_local(
-            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-        )
-    return out if like.device.type == "meta" else out.to(like.device)
-
-
 def restore(path: str | Path, like: Any, *, select: str = ROOT) -> Any:
     """Restores a checkpoint into the structure, dtypes and placements of ``like``.
 
@@ -300,7 +268,9 @@ def restore_part(path: str | Path, like: Any, *, select: str = ROOT, whole: bool
             entry = by_path[p]
             where = f"{p} (in {path})"
             _check_like(entry, like_leaf, where)
-            leaves.append(entry["value"] if entry["kind"] == "scalar" else _restore_leaf(entry, like_leaf, reader, p))
+            leaves.append(
+                entry["value"] if entry["kind"] == "scalar" else _layout.restore_leaf(entry, like_leaf, reader, p)
+            )
     finally:
         reader.close()
     return tree.unflatten(treedef, leaves)

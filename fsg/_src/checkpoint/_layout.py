@@ -89,3 +89,36 @@ def check_plain_replicated(paths: list[str], leaves: list[Any], world: int, grou
                 f"values); a checkpoint saves a plain tensor once, as a replicated value. Make it equal on every "
                 f"rank, or make it a DTensor sharded over the ranks whose values differ."
             )
+
+
+def restore_leaf(entry: dict, like: torch.Tensor, reader: _io.PieceReader, where: str) -> torch.Tensor:
+    """One leaf of ``like``'s placement (this rank's piece) read from the pieces that overlap it."""
+    target = local_piece(like).box if isinstance(like, DTensor) else full_box(tuple(like.shape))
+    dtype = _io.DTYPES[entry["dtype"]]
+    out = torch.empty([hi - lo for lo, hi in target], dtype=dtype)
+    filled, seen = 0, set()
+    for piece in entry["pieces"]:
+        box = tuple(tuple(b) for b in piece["box"])
+        if box in seen:  # older saves wrote a plain tensor once per rank: read one copy
+            continue
+        seen.add(box)
+        region = intersect(box, target) if box else ()
+        if region is None:
+            continue  # this rank does not need that piece: its bytes are never read
+        args = (piece["file"], piece["offset"], piece["nbytes"], piece["crc32"], where)
+        if box == target:  # the piece is exactly what this rank holds: read it in place
+            reader.read_into(*args, _io.host_bytes(out))
+            filled += out.numel()
+            continue
+        src = reader.read(*args).view(dtype).reshape([hi - lo for lo, hi in box])
+        part = src[slices(region, box)]
+        out[slices(region, target)] = part
+        filled += part.numel()
+    if filled != out.numel():
+        raise CheckpointError(f"{where}: the checkpoint's pieces cover {filled} of {out.numel()} elements")
+    if isinstance(like, DTensor):
+        local = out.to(like.to_local().device)
+        return DTensor.from_local(
+            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+    return out if like.device.type == "meta" else out.to(like.device)

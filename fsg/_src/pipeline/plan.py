@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.distributed.tensor import Replicate
 
 from fsg._src import _torch_private, tree
 from fsg._src.errors import UnsupportedError
@@ -30,7 +31,8 @@ class Plan(NamedTuple):
     fns: dict[int, stage_fns.StageFns]  # this rank's stages
     batch_specs: Any  # the batch's abstract signature the plan was traced for
     data: DataMesh | None  # the mesh's other (data) axes at this rank, if any
-    batch_placements: tuple | None  # on them: each flat batch leaf's
+    batch_placements: tuple | None  # on them: each flat batch leaf's, then the two keys'
+    random_calls: int  # the keyed random calls of one microbatch (the key offsets' stride)
     norm_dtype: torch.dtype  # a global norm's (fsg.optim.scalar_dtype of all params)
 
 
@@ -50,7 +52,7 @@ def build(
     tracing.check_accumulation(batch, schedule.num_microbatches)
     microbatch = next(tracing.microbatches(batch, schedule.num_microbatches))
     decompositions = None if data is None else op_support.mesh_decompositions()
-    gm, aux_names = forward.trace_forward(loss_fn, params, microbatch, decompositions)
+    gm, aux_names, random_calls = forward.trace_forward(loss_fn, params, microbatch, decompositions)
     stages = split.split(gm, schedule.num_stages, options.split_points, len(params))
     names = tuple(params)
     readers: dict[str, set[int]] = {n: set() for n in names}
@@ -66,8 +68,10 @@ def build(
     leaves = list(params.values())
     mb_leaves = tree.flatten(microbatch)[0]
     batch_pl = None
-    if data is not None:
-        batch_pl = tuple(data_axes.batch_placements(mb_leaves, data, tree.leaf_paths(microbatch, "batch")))
+    if data is not None:  # the keys (the last two "batch" leaves) are replicated
+        real = data_axes.batch_placements(mb_leaves, data, tree.leaf_paths(microbatch, "batch"))
+        batch_pl = (*real, *[(Replicate(),) * len(data.shape)] * 2)
+    mb_leaves = [*mb_leaves, *forward.keys_like(leaves[0].device if leaves else mb_leaves[0].device)]
     fns, mine, acts_pl = {}, set(schedule.stages_of(me)), ()
     for k, stage in enumerate(stages):
         own, mb = [leaves[i] for i in stage.params], [mb_leaves[j] for j in stage.batch]
@@ -90,6 +94,7 @@ def build(
         batch_signature(batch),
         data,
         batch_pl,
+        random_calls,
         optim_base.scalar_dtype(params),
     )
 

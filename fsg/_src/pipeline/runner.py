@@ -15,7 +15,7 @@ from fsg._src.pipeline.exchange import Exchange
 from fsg._src.pipeline.plan import Plan
 from fsg._src.pipeline.simulate import Event
 from fsg._src.sharding import spmd
-from fsg._src.trace import tracing
+from fsg._src.trace import random, tracing
 
 
 class Result:
@@ -29,14 +29,19 @@ class Result:
         self.events: list[Event] = []
 
 
-def run(plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], batch: Any) -> Result:
-    """Runs pipeline index ``me``'s actions of ``plan.schedule`` on ``params`` (its own) and the
-    global ``batch``."""
+def run(
+    plan: Plan, me: int, ranks: list[int], params: dict[str, torch.Tensor], batch: Any, rng: torch.Tensor
+) -> Result:
+    """Runs pipeline index ``me``'s actions of ``plan.schedule`` on ``params`` (its own), the
+    global ``batch`` and the step's key ``rng``."""
     schedule, stages = plan.schedule, plan.stages
     m, last = schedule.num_microbatches, schedule.num_stages - 1
     micro = [tree.flatten(mb)[0] for mb in tracing.microbatches(batch, m)]
     if plan.data is not None:  # this rank's rows of each microbatch
         micro = [[spmd.local_shard(t, p, plan.data) for t, p in zip(mb, plan.batch_placements)] for mb in micro]
+    for j, mb in enumerate(micro):  # each microbatch's keys: it draws what the unrolled step draws for it
+        offset = random.call_offset(j, plan.random_calls)
+        mb += [rng, torch.tensor(offset, dtype=torch.int64, device=rng.device)]
     width = 1 + max(len(s.outputs) for s in stages)
     exchange = Exchange(me, ranks, schedule.num_stages, m, width)
     device = next(iter(params.values())).device

@@ -129,7 +129,7 @@ class PipelineStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         """Runs one step; every rank returns its new state and the same metrics."""
         plan = self._plan_for(state, batch)
-        result = runner.run(plan, self._me, self._ranks, state.params, batch)
+        result = runner.run(plan, self._me, self._ranks, state.params, batch, state.rng)
         self.executed = [e.action for e in result.events]
         self.events = result.events
         grads = {n: result.grads.get(n, torch.zeros_like(p)) for n, p in state.params.items()}

@@ -117,11 +117,13 @@ class Keyed(_torch_private.TorchDispatchMode):
         # still comes here. Any other torch.compile in a loss runs eagerly under the trace, as before.
         return _torch_private.in_hop_compile()
 
-    def __init__(self, rng: torch.Tensor):
+    def __init__(self, rng: torch.Tensor, offset: torch.Tensor | None = None):
         super().__init__()
         self._rng = rng
+        self._offset = offset  # an int64 added to every call's key (a pipeline's microbatch)
         self._step_key: torch.Tensor | None = None
         self._saved: torch.Tensor | None = None
+        self.calls = 0  # the random calls traced
 
     def __enter__(self):
         self._saved = torch.default_generator.get_state()
@@ -142,10 +144,13 @@ class Keyed(_torch_private.TorchDispatchMode):
         if self._step_key is None:  # once per graph, at the first random op (none: no nodes)
             seed, counter = self._rng[0], self._rng[1]
             self._step_key = _mix(_mix(seed ^ _SEED_SALT) + counter * _GAMMA)
+            if self._offset is not None:
+                self._step_key = self._step_key + self._offset
         # the n-th call after manual_seed(s) is s + n * gamma: n * gamma from the seed 0 set at entry;
         # a loss that seeds torch itself (Reformer) draws again what it drew after the same seed
         call = (torch.default_generator.initial_seed() + _GAMMA) % (1 << 64)
         torch.default_generator.manual_seed(call)
+        self.calls += 1
         key = _mix(self._step_key + _signed(call))
         device = torch.device(device) if device is not None else self._rng.device
         key = key if key.device == device else key.to(device)
@@ -192,10 +197,19 @@ class _AttentionDropoutAsMath(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def keyed(rng: torch.Tensor) -> Iterator[None]:
-    """Traces the random ops called inside as keyed hashes of ``rng = [seed, counter]``."""
-    with _AttentionDropoutAsMath(), Keyed(rng):
-        yield
+def keyed(rng: torch.Tensor, offset: torch.Tensor | None = None) -> Iterator[Keyed]:
+    """Traces the random ops called inside as keyed hashes of ``rng = [seed, counter]``.
+
+    ``offset`` (int64, 0-d) is added to every call's index times splitmix's gamma: microbatch
+    ``j`` of a step that draws ``K`` calls a microbatch, traced alone with ``offset = j * K *
+    gamma`` (``call_offset``), draws what the unrolled step draws for it (a pipeline stage)."""
+    with _AttentionDropoutAsMath(), Keyed(rng, offset) as mode:
+        yield mode
+
+
+def call_offset(microbatch: int, calls: int) -> int:
+    """``keyed``'s ``offset`` for a microbatch of ``calls`` random calls: as an int64."""
+    return _signed(microbatch * calls * _GAMMA)
 
 
 def unsupported(func: Any, why: str) -> UnsupportedError:
