@@ -45,7 +45,7 @@ def test_plan_puts_tensor_parallel_on_nvlink_and_ranks_meshes():
     result = plan(PRESETS["gpt-1b"], None, topo)
     best = result.best
     assert {c.axis: c.level for c in best.per_axis if c.size > 1}.get("tp", "node") == "node"
-    assert [c.step_s for c in result.ranked] == sorted(c.step_s for c in result.ranked)
+    assert [round(c.step_s, 9) for c in result.ranked] == sorted(round(c.step_s, 9) for c in result.ranked)
     assert "cross-rack" in result.as_text() and "model predictions" in result.as_text()
     assert best.describe() in result.reason
     assert all(c.cross_rack_bytes <= c.level_bytes["cluster"] + 1e-6 for c in result.ranked)
@@ -76,3 +76,38 @@ def test_cli_prints_a_plan_and_refuses_bad_input(capsys, tmp_path):
     assert cli.main(["plan", "--topology", str(tmp_path / "t.yaml")]) == 2
     assert "'leaf', which is not a topology level" in capsys.readouterr().err
     assert cli.main(["plan", "--nodes", "2", "--model", "gpt-9t"]) == 2
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_a_pipeline_axis_divides_state_and_layers_and_costs_its_bubble(pp):
+    """pp holds 1/pp of the state and layers; 1F1B's bubble (pp-1)/(m+pp-1) stretches compute;
+    each microbatch's activations cross a boundary each way (send_recv on pp)."""
+    cfg = PRESETS["gpt-70b"]
+    flat, piped = {"dp": 25, "fsdp": 5, "tp": 8}, {"dp": 25, "fsdp": 5, "tp": 8, "pp": pp}
+    m = cfg.microbatches(piped)
+    assert m == cfg.global_batch // 125 and cfg.bubble(piped) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert cfg.memory_per_gpu(piped) < cfg.memory_per_gpu(flat)
+    assert cfg.compute_s(1000 * pp, piped) == pytest.approx(cfg.compute_s(1000 * pp) / (1 - cfg.bubble(piped)))
+    rows = {(kind, axis): (nbytes, count) for kind, axis, nbytes, count in cfg.collectives(piped)}
+    act = cfg.tokens / 125 * cfg.d_model * 2
+    assert rows[("send_recv", "pp")] == (int(2 * act / 8), 2 * m)
+    flat_rows = {(k, a): n for k, a, n, _ in cfg.collectives(flat)}
+    assert rows[("all_reduce", "dp")][0] == pytest.approx(flat_rows[("all_reduce", "dp")] / pp, rel=1e-6)
+
+
+def test_a_pipeline_axis_is_refused_where_it_cannot_run():
+    cfg = PRESETS["gpt-70b"]
+    assert "do not divide into pp=3" in cfg.check_mesh({"dp": 5, "tp": 8, "pp": 3})
+    assert "fewer than pp=8" in cfg._replace(global_batch=40).check_mesh({"dp": 10, "tp": 8, "pp": 8})
+
+
+def test_plan_places_the_pipeline_axis_across_racks_and_models_it():
+    """On a cluster of racks, the packed placement puts tp in the node and pp, the least
+    traffic, across racks; plan() ranks pp meshes among the candidates."""
+    topo = Topology.regular(nodes=16, gpus_per_node=8, nodes_per_rack=4)
+    cfg = PRESETS["gpt-7b"]._replace(global_batch=256)
+    result = plan(cfg, [{"dp": 4, "tp": 8, "pp": 4}], topo)
+    levels = {c.axis: c.level for c in result.best.per_axis}
+    assert levels["tp"] == "node" and levels["pp"] == "cluster" and result.best.strategy == "packed"
+    everything = plan(cfg, None, topo)
+    assert any("pp" in c.axes for c in everything.ranked)

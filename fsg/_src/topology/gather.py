@@ -33,7 +33,11 @@ def from_job(cls, *, hostname, rack, nvlink, links):
     table: list = [None] * dist.get_world_size()
     dist.all_gather_object(table, mine)
     hosts = [h for h, _, _, _ in table]
-    racks = {h: r for h, r, _, _ in table} if _all_or_none([r for _, r, _, _ in table], "a rack", "FSG_RACK / rack=") else None
+    racks = (
+        {h: r for h, r, _, _ in table}
+        if _all_or_none([r for _, r, _, _ in table], "a rack", "FSG_RACK / rack=")
+        else None
+    )
     if _all_or_none([n for _, _, n, _ in table], "an NVLink domain", "FSG_NVLINK / nvlink="):
         domains = [n for _, _, n, _ in table]
     else:

@@ -27,7 +27,8 @@ from fsg._src.topology.levels import check_level_name
 
 # Default traffic per axis name when none is given: tensor parallel > FSDP / context / expert >
 # data parallel (per step, relative).
-DEFAULT_TRAFFIC = {"tp": 100.0, "cp": 10.0, "sp": 10.0, "ep": 10.0, "fsdp": 10.0, "dp": 1.0}
+# pp last: its point-to-point activations are the least traffic, the axis to place across racks
+DEFAULT_TRAFFIC = {"tp": 100.0, "cp": 10.0, "sp": 10.0, "ep": 10.0, "fsdp": 10.0, "dp": 1.0, "pp": 0.1}
 
 
 class Placement(NamedTuple):

@@ -24,7 +24,7 @@ from fsg._src.topology.cost import CostModel, kind_of
 from fsg._src.topology.description import Topology
 from fsg._src.topology.workload import GPTConfig
 
-BLOCKING_AXES = ("tp", "cp", "sp", "ep")
+BLOCKING_AXES = ("tp", "cp", "sp", "ep", "pp")  # pp: a microbatch's stage waits for its activations
 
 
 class AxisCost(NamedTuple):
@@ -78,15 +78,18 @@ class Plan(NamedTuple):
         return plan_text(self, top)
 
 
-def factorizations(world: int, axes: Sequence[str] = ("dp", "fsdp", "tp"), *, max_tp: int = 64) -> list[dict]:
-    """Every ``{dp, fsdp, tp}`` whose sizes multiply to ``world`` (``tp <= max_tp``)."""
+def factorizations(
+    world: int, axes: Sequence[str] = ("dp", "fsdp", "tp"), *, max_tp: int = 64, max_pp: int = 16
+) -> list[dict]:
+    """Every mesh over ``axes`` whose sizes multiply to ``world`` (``tp <= max_tp``, ``pp <=
+    max_pp``; an axis of size 1 left out after the first)."""
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     out = []
     for sizes in itertools.product(divisors, repeat=len(axes) - 1):
         rest = world // math.prod(sizes) if world % math.prod(sizes) == 0 else 0
         cand = dict(zip(axes, (rest, *sizes)))
-        if rest and cand.get("tp", 1) <= max_tp:
-            out.append(cand)
+        if rest and cand.get("tp", 1) <= max_tp and cand.get("pp", 1) <= max_pp:
+            out.append(cand if "pp" not in cand or cand["pp"] > 1 else {a: n for a, n in cand.items() if a != "pp"})
     return out
 
 
@@ -173,13 +176,12 @@ def plan(source, candidates, topology: Topology, *, model: CostModel | None = No
     if candidates is None:
         if not isinstance(source, GPTConfig):
             raise TopologyError("plan(candidates=None) needs a GPTConfig source; give the mesh a Lowered ran on")
-        candidates = factorizations(topology.world_size)
+        candidates = factorizations(topology.world_size, ("dp", "fsdp", "tp", "pp"))
     elif isinstance(candidates, Mapping):
         candidates = [candidates]
     elif hasattr(candidates, "axis_names") and hasattr(candidates, "shape"):  # an fsg.Mesh
         candidates = [dict(zip(candidates.axis_names, candidates.shape))]
-    if compute_s is None and isinstance(source, GPTConfig):
-        compute_s = source.compute_s(topology.world_size)
+    given = compute_s
     ranked, refused = [], []
     for axes in candidates:
         axes = placement.check_axes(axes, topology)
@@ -187,6 +189,9 @@ def plan(source, candidates, topology: Topology, *, model: CostModel | None = No
         if why is not None:
             refused.append((axes, why))
             continue
+        compute_s = given  # a GPTConfig's: per mesh (a pipeline's bubble stretches it)
+        if compute_s is None and isinstance(source, GPTConfig):
+            compute_s = source.compute_s(topology.world_size, axes)
         # Axes with known names keep the issue's order (tp > fsdp/cp > dp: a tensor-parallel byte is
         # on the critical path, an FSDP byte can hide under compute); others go by their bytes.
         known = all(a in placement.DEFAULT_TRAFFIC for a in axes)

@@ -64,6 +64,8 @@ def level_fractions(topology: Topology, ranks: np.ndarray, axis: int, kind: str)
         return np.zeros(len(topology.levels))
     if kind == "all_to_all":
         return pair_counts(topology, grp) / n
+    if kind == "send_recv":  # a chain of stages: a rank's message on one edge, n - 1 of the ring's n edges
+        return ring_edges(topology, grp) * (n - 1) / n
     per_edge = (n - 1) / n * (2.0 if kind == "all_reduce" else 1.0)
     return ring_edges(topology, grp) * per_edge
 
