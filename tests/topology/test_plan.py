@@ -1,6 +1,7 @@
 """The cost model, plan() and the CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,13 @@ def test_plan_places_the_pipeline_axis_across_racks_and_models_it():
     assert levels["tp"] == "node" and levels["pp"] == "cluster" and result.best.strategy == "packed"
     everything = plan(cfg, None, topo)
     assert any("pp" in c.axes for c in everything.ranked)
+
+
+@pytest.mark.slow
+def test_the_documented_10000_gpu_study_is_what_the_command_prints(capsys):
+    """docs/topology.md's study row for the 175B-class model, from its command."""
+    assert cli.main(["plan", "--nodes", "1250", "--nodes-per-rack", "32", "--model", "gpt-175b", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh dp=125 x fsdp=5 x tp=2 x pp=8 (packed)" in out and "step 8,039.3 ms" in out
+    doc = (Path(__file__).parents[2] / "docs" / "topology.md").read_text()
+    assert "| dp=125 × fsdp=5 × tp=2 × pp=8 |" in doc and "| 8.04 s |" in doc
