@@ -75,9 +75,10 @@ def local_like(t: torch.Tensor, placements: tuple[Placement, ...], mesh: DataMes
     return torch.empty(shape, dtype=t.dtype, device=t.device)
 
 
-def reduced(x: DTensor, mesh: DataMesh) -> DTensor:
-    """``x`` with every partial sum reduced (``Replicate``); other placements kept."""
-    placements = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
+def replicated(x: DTensor, mesh: DataMesh, kind: type = Partial) -> DTensor:
+    """``x`` with every placement of ``kind`` (default: a partial sum, reduced) made
+    ``Replicate``; other placements kept."""
+    placements = tuple(Replicate() if isinstance(p, kind) else p for p in x.placements)
     return x if placements == tuple(x.placements) else x.redistribute(mesh.device_mesh, placements)
 
 

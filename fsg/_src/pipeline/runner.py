@@ -48,7 +48,7 @@ def run(
     inputs: dict[tuple[int, int], tuple[list, list, list]] = {}  # (stage, mb) -> params, batch, activations
     cotangents: dict[tuple[int, int], list] = {}
     held: dict[tuple[int, int], list] = {}  # full backward: input gradients sent after W
-    sums: dict[tuple[int, str], torch.Tensor] = {}  # (stage, param) -> its gradient summed over microbatches
+    sums: dict[tuple[int, int], torch.Tensor] = {}  # (stage, param index) -> its gradient summed over microbatches
     result = Result()
     weight = torch.full((), 1.0 / m, dtype=stages[last].outputs[0].dtype, device=device)
 
@@ -88,18 +88,16 @@ def run(
             start = time.time()
             grads = fns.backward_weight(*_flat(inputs.pop((s, j))), *cotangents.pop((s, j)))
             for i, g in zip([i for i in stage.params if params[plan.names[i]].is_floating_point()], grads):
-                key = (s, plan.names[i])
-                sums[key] = g if key not in sums else sums[key] + g
+                sums[(s, i)] = g if (s, i) not in sums else sums[(s, i)] + g
             end = time.time()
             if schedule.full_backward:
                 send_gradients(s, j, held.pop((s, j)))
         result.events.append(Event(Action(kind, s, j), start, end))
     exchange.finish()
-    for (s, name), g in sums.items():  # each stage's sum over dp where it is a partial sum, then over stages
+    for (s, i), g in sums.items():  # each stage's sum over dp where it is a partial sum, then over stages
         if plan.data is not None:
-            trained = [i for i in stages[s].params if params[plan.names[i]].is_floating_point()]
-            placement = plan.fns[s].weight_placements[trained.index(plan.names.index(name))]
-            g = data_axes.reduce_gradient(g, placement, plan.data)
+            g = data_axes.reduce_gradient(g, plan.fns[s].weight_placements[i], plan.data)
+        name = plan.names[i]
         result.grads[name] = g if name not in result.grads else result.grads[name] + g
     return result
 

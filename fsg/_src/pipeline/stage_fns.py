@@ -33,7 +33,7 @@ class StageFns(NamedTuple):
     grad_outputs: tuple[bool, ...]  # per output: takes a cotangent (received, or the loss's weight)
     input_like: tuple[torch.Tensor, ...]  # an empty tensor of each activation input's (local) shape
     output_like: tuple[torch.Tensor, ...]  # of each output's
-    weight_placements: tuple | None  # on a data mesh: each W output's placement (a partial sum: reduce it)
+    weight_placements: dict | None  # on a data mesh: param index -> its W output's placement (partial: reduce it)
 
 
 class Forward(NamedTuple):
@@ -64,7 +64,7 @@ def forward(
     rep = (Replicate(),) * len(data.shape)
 
     def place(i, out):  # the last stage's loss and aux replicated (the metrics); activations un-partialed
-        return out.redistribute(data.device_mesh, rep) if last else data_axes.reduced(out, data)
+        return out.redistribute(data.device_mesh, rep) if last else data_axes.replicated(out, data)
 
     expanded = data_axes.expand(gm, [*params, *batch, *acts], [rep] * len(params) + list(placements), data, place)
     return Forward(expanded.graph, expanded.placements, expanded.local_outputs)
@@ -127,12 +127,10 @@ def build(
                 b_graph, example, every, data, lambda i, o: o.redistribute(data.device_mesh, wanted[i])
             ).graph
 
-        def whole_or_partial(i, out):  # a partial sum stays local: reduced once a step (data_axes)
-            shards = tuple(Replicate() if isinstance(p, Shard) else p for p in out.placements)
-            return out if shards == tuple(out.placements) else out.redistribute(data.device_mesh, shards)
-
-        w = data_axes.expand(w_graph, example, every, data, whole_or_partial)
-        w_graph, weight_placements = w.graph, w.placements
+        # shards gathered; a partial sum stays local: reduced once a step (data_axes.reduce_gradient)
+        w = data_axes.expand(w_graph, example, every, data, lambda i, out: data_axes.replicated(out, data, Shard))
+        trained = [i for i, p in zip(stage.params, params) if differentiable(p)]
+        w_graph, weight_placements = w.graph, dict(zip(trained, w.placements))
         input_like = tuple(data_axes.local_like(a, p, data) for a, p in zip(acts, act_placements))
     backward_input = None if b_graph is None else compile_graph(b_graph, backend)
     return StageFns(

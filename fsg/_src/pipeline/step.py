@@ -231,12 +231,11 @@ class PipelineStep:
         """The global L2 norm of a tree like ``state.params`` from this rank's part of it: each
         leaf counted on the first rank that holds it, the squares summed over the pp ranks
         (``fsg.optim.global_norm`` within the pipeline's update)."""
-        order = tree.flatten(dict.fromkeys(names, 0))[0]  # flatten order is by key
-        keys = tree.flatten({n: n for n in names})[0]
-        if len(leaves) != len(order):
+        keys = tree.flatten({n: n for n in names})[0]  # the leaves' names, in flatten order (by key)
+        if len(leaves) != len(keys):
             raise UnsupportedError(
                 f"fsg.optim.global_norm of {len(leaves)} leaves inside a pipeline step's update, whose rank holds "
-                f"{len(order)} params: a pipeline reduces a global norm over the updates' tree of params only"
+                f"{len(keys)} params: a pipeline reduces a global norm over the updates' tree of params only"
             )
         dtype = plan.norm_dtype
         squares = torch.zeros((), dtype=dtype, device=leaves[0].device if leaves else None)
