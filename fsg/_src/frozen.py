@@ -66,7 +66,9 @@ def detach(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int], kept: set[int]) -> tuple[Any, Any]:
+def keep(
+    new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: set[int], kept: set[int]
+) -> tuple[Any, Any]:
     """``(params, opt_state)`` with the ``kept`` param leaves (the ``frozen`` ones, and those the
     loss does not reach), and their leaves in each subtree of the optimizer state shaped like
     the params (Adam's moments, say), taken from ``old``: torch.optim skips a parameter whose
@@ -79,6 +81,13 @@ def keep(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, frozen: se
         if which:
             shown = ", ".join(names[i] for i in sorted(which)[:8]) + (" ..." if len(which) > 8 else "")
             log.info("fsg: %d %s not trained: %s", len(which), what, shown)
+    return kept_leaves(new, old, params_def, kept)
+
+
+def kept_leaves(new: tuple[Any, Any], old: tuple[Any, Any], params_def: Any, kept: set[int]) -> tuple[Any, Any]:
+    """``keep``'s result without its log line: the pipeline step calls it at every step."""
+    if not kept:
+        return new
     if params_def.num_nodes == 1:  # the params are one tensor: no subtree of the state is "like" it
         return old[0], new[1]
     return tuple(_keep_like(n, o, params_def, kept) for n, o in zip(new, old))

@@ -72,6 +72,19 @@ def problem(model: str, layers: int, rows: int):
     """``(loss_fn, params, batch)`` of a model, seeded: the same on every rank."""
     torch.manual_seed(0)
     dropout = 0.25 if model.endswith("-dropout") else 0.0  # masks keyed by the step: the same as unsharded
+    if model == "mlp-frozen":  # what the unsharded step keeps untrained (frozen.py), on the stages' ranks
+        net = Mlp(layers).double()
+        net.layers[1].weight.requires_grad_(False)  # frozen: fsg.apply detaches it
+        own = set(fsg.params(net))
+        extra = {"unused": torch.randn(3, dtype=torch.float64), "sign": torch.randn(2, dtype=torch.float64)}
+
+        def loss_fn(params, batch):
+            out = fsg.apply(net, {k: v for k, v in params.items() if k in own}, batch["x"])
+            # read only through a comparison: no gradient reaches it; "unused" is read by no stage
+            return ((out * (params["sign"] > 0) - batch["y"]) ** 2).mean()
+
+        batch = {"x": torch.randn(rows, 3, dtype=torch.float64), "y": torch.randn(rows, 2, dtype=torch.float64)}
+        return loss_fn, {**fsg.params(net), **extra}, batch
     if model in ("mlp", "mlp-ratio", "mlp-dropout"):
         net = Mlp(layers, dropout=dropout).double()
 
@@ -204,3 +217,33 @@ def tree_leaves(state):
     import optree
 
     return [leaf for leaf in optree.tree_leaves(state, namespace="fsg") if isinstance(leaf, torch.Tensor)]
+
+
+def hf_matches_unsharded(kinds: tuple, schedule: str = "1f1b") -> dict:
+    """Hugging Face families of tests/models/hf_models.py, in float64, as users bring them
+    (``model(**batch).loss``): two pp steps of 2 microbatches against the unsharded step; kind ->
+    the largest difference of the loss and every parameter, or the error (every rank alike)."""
+    from tests.models import hf_models
+
+    world, results = dist.get_world_size(), {}
+    for kind in kinds:
+        try:
+            model = hf_models.make(kind).double()
+            loss_fn, params = hf_models.loss_fn(model), fsg.params(model)
+            batch = {
+                k: v.double() if v.is_floating_point() else v for k, v in hf_models.batches(1, kind=kind)[0].items()
+            }
+            options = {"optimizer": OPTIMIZER, "accum_steps": 2, "backend": "eager"}
+            mesh = fsg.testing.mesh({"pp": world})
+            step = fsg.compile_step(loss_fn, mesh, pipeline=fsg.Pipeline(schedule=schedule), **options)
+            reference = fsg.compile_step(loss_fn, **options)
+            state, ref_state, worst = step.init(params, batch=batch), reference.init(params), 0.0
+            for i in range(2):
+                rolled = {k: v.roll(i, 0) for k, v in batch.items()}
+                (state, metrics), (ref_state, ref_metrics) = step(state, rolled), reference(ref_state, rolled)
+                worst = max(worst, _difference(metrics["loss"], ref_metrics["loss"]))
+            full = step.full_params(state)
+            results[kind] = max([worst, *(_difference(full[n], p) for n, p in ref_state.params.items())])
+        except Exception as e:  # noqa: BLE001 (reported by kind)
+            results[kind] = f"{type(e).__name__}: {str(e)[:1500]}"
+    return results

@@ -2,6 +2,8 @@
 the same microbatches, runs each rank's actions in its schedule's order, and refuses clearly
 what it cannot run yet."""
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,7 +44,8 @@ def test_stages_compose_to_the_forward(data, stages):
 
 def test_tied_embedding_is_on_both_ends():
     loss_fn, params, batch = pipeline_workers.problem("gpt", 2, 4)
-    gm, aux, _ = forward.trace_forward(loss_fn, params, batch)
+    gm, aux, _, reached = forward.trace_forward(loss_fn, params, batch)
+    assert reached == set(range(len(params)))  # every param trained
     graphs = split.split(gm, 3, None, len(params))
     wte = list(params).index("wte.weight")
     assert [wte in g.params for g in graphs] == [True, False, True] and aux == ("logit_mean",)
@@ -50,13 +53,48 @@ def test_tied_embedding_is_on_both_ends():
 
 @pytest.mark.parametrize(
     ("model", "schedule", "virtual"),
-    [("gpt", "interleaved", 2), ("gpt", "zbh1", 1), ("gpt", "gpipe", 1), ("mlp-dropout", "interleaved", 2)],
+    [
+        ("gpt", "interleaved", 2),
+        ("gpt", "zbh1", 1),
+        ("gpt", "gpipe", 1),
+        ("mlp-dropout", "interleaved", 2),
+        ("mlp-frozen", "1f1b", 1),
+    ],
 )
 def test_one_rank_holding_every_stage_equals_unsharded(model, schedule, virtual):
     """``pp=1``: stages hand over locally; the step equals ``compile_step`` without a pipeline
-    (with dropout: each microbatch's stages draw the unrolled step's masks)."""
+    (with dropout: each microbatch's stages draw the unrolled step's masks; with a frozen
+    parameter, one no stage reads and one read only through a comparison: all three kept, as
+    the unsharded step keeps them, optimizer state and weight decay included)."""
     worst, in_order = pipeline_workers.pipeline_matches_unsharded(model, 2, schedule, virtual, None, 2)
     assert worst < 1e-10 and in_order
+
+
+def test_a_parameter_frozen_after_init_is_traced_again_and_kept():
+    """``requires_grad_(False)`` after the first step: the next call traces again (a
+    ``RecompileWarning`` naming the flag) and keeps that parameter, as the unsharded step does."""
+    torch.manual_seed(0)
+    net = pipeline_workers.Mlp(3).double()
+
+    def loss_fn(params, batch):
+        return ((fsg.apply(net, params, batch["x"]) - batch["y"]) ** 2).mean()
+
+    params = fsg.params(net)
+    batch = {"x": torch.randn(8, 3, dtype=torch.float64), "y": torch.randn(8, 2, dtype=torch.float64)}
+    options = {"optimizer": pipeline_workers.OPTIMIZER, "accum_steps": 2, "backend": "eager"}
+    step = fsg.compile_step(loss_fn, fsg.Mesh({"pp": 1}), pipeline=fsg.Pipeline(), **options)
+    reference = fsg.compile_step(loss_fn, **options)
+    state, ref_state = step.init(params, batch=batch), reference.init(params)
+    state, _ = step(state, batch)
+    ref_state, _ = reference(ref_state, batch)
+    net.layers[0].weight.requires_grad_(False)
+    with pytest.warns(fsg.RecompileWarning, match=r"layers\.0\.weight\.requires_grad: True -> False"):
+        new, _ = step(state, batch)
+    with pytest.warns(fsg.RecompileWarning):
+        ref_new, _ = reference(ref_state, batch)
+    assert torch.equal(new.params["layers.0.weight"], state.params["layers.0.weight"])
+    full = step.full_params(new)
+    assert max(pipeline_workers._difference(full[n], p) for n, p in ref_new.params.items()) < 1e-10
 
 
 def _two_stages(points):
@@ -200,3 +238,21 @@ def test_a_checkpoint_restores_onto_any_pp_size_and_the_unsharded_step(ranks, tm
     work = pipeline_workers.checkpoint_restores_anywhere
     for exact, other_pp, unsharded, refused in ranks(4).run(work, str(tmp_path / "ckpt"), 2, 4):
         assert exact == 0.0 and other_pp < 1e-10 and unsharded < 1e-10 and refused
+
+
+# The issue names these two; pegasus keeps a frozen sinusoidal table, dinov2 a mask token its loss
+# never reads (both once trained or refused by the pipeline). FSG_CORPUS=full: every family.
+HF_PIPELINE = ("gpt2", "llama", "pegasus", "dinov2")
+
+
+@pytest.mark.slow
+def test_hugging_face_families_on_pp2_equal_unsharded(ranks):
+    """GPT-2 (its head tied to the embedding across the two stages), Llama (GQA, rotary tables
+    every stage reads), Pegasus (a frozen parameter) and DINOv2 (a parameter no stage reads),
+    split automatically between their blocks, on 2 gloo ranks: equal to the unsharded step."""
+    pytest.importorskip("transformers")
+    from tests.models import hf_models
+
+    kinds = tuple(hf_models.KINDS) if os.environ.get("FSG_CORPUS") == "full" else HF_PIPELINE
+    results = ranks(2).run(pipeline_workers.hf_matches_unsharded, kinds)[0]
+    assert {k: r for k, r in results.items() if isinstance(r, str) or r > 1e-10} == {}

@@ -3,12 +3,13 @@ and this rank's compiled actions. Every rank builds the same plan from the same 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.distributed.tensor import Replicate
 
-from fsg._src import _torch_private, tree
+from fsg._src import _torch_private, tree, watch
 from fsg._src.errors import UnsupportedError
 from fsg._src.optim import _base as optim_base
 from fsg._src.optim._base import GradientTransformation
@@ -19,6 +20,8 @@ from fsg._src.pipeline.options import Pipeline
 from fsg._src.sharding import op_support
 from fsg._src.trace import tracing
 
+log = logging.getLogger("fsg")
+
 
 class Plan(NamedTuple):
     """What every rank knows of the split, and this rank's compiled stages."""
@@ -26,7 +29,9 @@ class Plan(NamedTuple):
     schedule: Schedule
     stages: tuple[split.StageGraph, ...]
     names: tuple[str, ...]  # every parameter, in the params' order
-    holders: dict[str, tuple[int, ...]]  # parameter -> the pipeline indices whose stages read it
+    holders: dict[str, tuple[int, ...]]  # parameter -> the pipeline indices whose stages read it (or index 0)
+    kept: frozenset[str]  # the params the loss's gradient does not reach: not trained (frozen.py)
+    like: dict[str, torch.Tensor]  # every parameter's shape and dtype (meta tensors)
     aux_names: tuple[str, ...]
     fns: dict[int, stage_fns.StageFns]  # this rank's stages
     batch_specs: Any  # the batch's abstract signature the plan was traced for
@@ -34,6 +39,7 @@ class Plan(NamedTuple):
     batch_placements: tuple | None  # on them: each flat batch leaf's, then the two keys'
     random_calls: int  # the keyed random calls of one microbatch (the key offsets' stride)
     norm_dtype: torch.dtype  # a global norm's (fsg.optim.scalar_dtype of all params)
+    flags: tuple  # the modules' train/eval modes and requires_grad flags it was traced under (watch.py)
 
 
 def build(
@@ -45,26 +51,28 @@ def build(
     me: int,
     backend: str,
     data: DataMesh | None = None,
+    flags: watch.Flags | None = None,
 ) -> Plan:
     """Traces one microbatch's forward and loss, splits it into ``schedule.num_stages`` stages,
     and compiles the actions of the stages pipeline index ``me`` runs (on a data mesh, each
-    expanded over it: ``data_axes``)."""
+    expanded over it: ``data_axes``). ``flags`` records the modules the trace runs."""
     tracing.check_accumulation(batch, schedule.num_microbatches)
     microbatch = next(tracing.microbatches(batch, schedule.num_microbatches))
     decompositions = None if data is None else op_support.mesh_decompositions()
-    gm, aux_names, random_calls = forward.trace_forward(loss_fn, params, microbatch, decompositions)
+    flags = watch.Flags() if flags is None else flags
+    gm, aux_names, random_calls, reached = forward.trace_forward(loss_fn, params, microbatch, decompositions, flags)
     stages = split.split(gm, schedule.num_stages, options.split_points, len(params))
     names = tuple(params)
     readers: dict[str, set[int]] = {n: set() for n in names}
     for k, stage in enumerate(stages):
         for i in stage.params:
             readers[names[i]].add(schedule.rank_of(k))
-    unread = [n for n in names if not readers[n]]
-    if unread:
-        raise UnsupportedError(
-            f"params {unread[:4]} are not read by the loss; a pipeline step places each parameter on the stages "
-            f"that read it, so one no stage reads has no home yet. Leave it out of the params you pass"
-        )
+    for n in names:  # a parameter no stage reads (an unused pooler): kept on the first stage's rank
+        readers[n] = readers[n] or {schedule.rank_of(0)}
+    kept = frozenset(n for i, n in enumerate(names) if i not in reached)
+    if kept:
+        shown = ", ".join(sorted(kept)[:8]) + (" ..." if len(kept) > 8 else "")
+        log.info("fsg: %d parameter(s) frozen or not reached by the loss, not trained: %s", len(kept), shown)
     leaves = list(params.values())
     mb_leaves = tree.flatten(microbatch)[0]
     batch_pl = None
@@ -89,6 +97,8 @@ def build(
         tuple(stages),
         names,
         holders,
+        kept,
+        {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in params.items()},
         aux_names,
         fns,
         batch_signature(batch),
@@ -96,6 +106,7 @@ def build(
         batch_pl,
         random_calls,
         optim_base.scalar_dtype(params),
+        flags.now(),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fsg._src import tree
+from fsg._src import frozen, tree, watch
 from fsg._src.errors import ArgumentError, RecompileError, RecompileWarning, UnsupportedError
 from fsg._src.mesh import Mesh
 from fsg._src.optim import _base as optim_base
@@ -71,6 +71,7 @@ class PipelineStep:
             self._group, self._ranks, self._me = None, [0], 0
         self._data = data_axes.DataMesh(mesh, others) if others and mesh.size > pp else None
         self._plan: plan_lib.Plan | None = None
+        self._flags = watch.Flags()  # the modules the trace ran: their flags are checked at each call
         self.mesh = mesh
         self.executed: list[Action] = []  # this rank's actions in the order the last call ran them
         self.events: list = []  # their wall-clock Events (time.time(): one clock per host)
@@ -112,7 +113,15 @@ class PipelineStep:
         params = Policy().resolve(params).cast_param({n: p.detach().clone() for n, p in params.items()})
         plan_lib.check_per_parameter(self._optimizer, params)
         self._plan = plan_lib.build(
-            self._loss_fn, params, batch, self._schedule, self._options, self._me, self._backend, self._data
+            self._loss_fn,
+            params,
+            batch,
+            self._schedule,
+            self._options,
+            self._me,
+            self._backend,
+            self._data,
+            self._flags,
         )
         mine = {n: p for n, p in params.items() if self._me in self._plan.holders[n]}
         device = next(iter(params.values())).device
@@ -141,6 +150,10 @@ class PipelineStep:
         with torch.no_grad(), optim_base.split_leaves(split):
             updates, opt_state = self._optimizer.update(grads, state.opt_state, state.params)
             params = apply_updates(state.params, updates)
+        keys, params_def = tree.flatten({n: n for n in state.params})[0], tree.flatten(state.params)[1]
+        kept = {i for i, n in enumerate(keys) if n in plan.kept}  # leaf indices, in flatten order
+        # frozen or unreached: as they were, optimizer state too (the unsharded step's frozen.keep)
+        params, opt_state = frozen.kept_leaves((params, opt_state), (state.params, state.opt_state), params_def, kept)
         skips = state.skips
         if self._skip:  # the loss and the norm are the same on every rank: one decision
             finite = resilience.is_finite(metrics["loss"], metrics["grad_norm"])
@@ -203,9 +216,11 @@ class PipelineStep:
 
     def _plan_for(self, state: TrainState, batch: Any) -> plan_lib.Plan:
         plan = self._require_plan()
-        if plan_lib.batch_signature(batch) == plan.batch_specs:
+        same_batch, flags = plan_lib.batch_signature(batch) == plan.batch_specs, self._flags.now()
+        if same_batch and flags == plan.flags:
             return plan
-        message = "fsg: the pipeline step's batch signature changed; tracing and compiling it again"
+        what = "batch signature" if not same_batch else f"modules' flags ({self._flags.describe(plan.flags, flags)})"
+        message = f"fsg: the pipeline step's {what} changed; tracing and compiling it again"
         if self._strict:
             raise RecompileError(message.replace("tracing and compiling it again", "strict=True forbids a recompile"))
         warnings.warn(message, RecompileWarning, stacklevel=3)
@@ -213,11 +228,19 @@ class PipelineStep:
             n: state.params.get(n, torch.empty(self._shape(plan, n), dtype=self._dtype(plan, n))) for n in plan.names
         }
         new = plan_lib.build(
-            self._loss_fn, full, batch, self._schedule, self._options, self._me, self._backend, self._data
+            self._loss_fn,
+            full,
+            batch,
+            self._schedule,
+            self._options,
+            self._me,
+            self._backend,
+            self._data,
+            self._flags,
         )
         if new.holders != plan.holders:
             raise UnsupportedError(
-                "the new batch shape moves parameters between pipeline ranks; keep batch shapes fixed"
+                "the new batch shape moves parameters between pipeline ranks; keep batch shapes fixed for a pp step"
             )
         self._plan = new
         return new
@@ -267,13 +290,7 @@ class PipelineStep:
             dist.all_reduce(t, group=self._group)
 
     def _shape(self, plan: plan_lib.Plan, name: str) -> tuple[int, ...]:
-        return tuple(_param_value(plan, name).shape)
+        return tuple(plan.like[name].shape)
 
     def _dtype(self, plan: plan_lib.Plan, name: str) -> torch.dtype:
-        return _param_value(plan, name).dtype
-
-
-def _param_value(plan: plan_lib.Plan, name: str) -> torch.Tensor:
-    i = plan.names.index(name)
-    k = next(k for k, s in enumerate(plan.stages) if i in s.params)
-    return plan.stages[k].graph.graph.find_nodes(op="placeholder")[plan.stages[k].params.index(i)].meta["val"]
+        return plan.like[name].dtype
