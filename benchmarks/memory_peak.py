@@ -18,15 +18,18 @@ MiB = 2**20
 
 
 def record(max_entries: int = 400_000) -> None:
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Python frames only: the C++ ones ("all") fill each block's stack with the allocator's own
+    # frames and leave no room to say which generated line or library call allocated it
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
 
 
 def _where(frames: list[dict], depth: int = 3) -> str:
-    keep = [
-        f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}"
-        for f in frames
-        if "torch/" not in f["filename"] or "torchinductor" in f["filename"] or "/tmp/" in f["filename"]
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    # the generated Inductor module or fsg's own frame names the buffer; torch's library frames do not
+    own = [
+        f for f in python if "torch/" not in f["filename"] or "inductor" in f["filename"] or "/tmp/" in f["filename"]
     ]
+    keep = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in own or python]
     return " < ".join(keep[:depth]) or (frames[0]["name"] if frames else "?")
 
 

@@ -82,6 +82,53 @@ SLOW_TESTS = (
 )
 
 
+# The order the work starts in under pytest-xdist, longest first (CI's --durations on the 2-core
+# machine, 2026-12-07): a file a unit of work (--dist loadfile) except the tests named here, each
+# case of which is a unit of its own; these go out first and the rest in collection order.
+# xdist's own order (files with the most tests first) started these last, so one worker ran the
+# longest alone at the end: the longest-first rule keeps the tail short.
+LONGEST = (
+    "tests/dist/test_docs_torchrun.py::test_the_documented_command_runs_as_written",
+    "tests/dist/test_models.py::test_every_hugging_face_family_on_two_ranks_matches_unsharded",
+    "tests/corpus/test_opinfo.py",
+    "tests/dist/test_models.py::test_tp_named_families_under_fsdp_and_tensor_parallel_match_unsharded",
+    "tests/models/test_hf_batch_casts.py",
+    "tests/dist/test_sharding.py",
+    "tests/models/test_hf.py",
+    "tests/dist/test_op_corpus.py",
+    "tests/dist/test_precision.py",
+    "tests/pipeline/test_pipeline_step.py",
+    "tests/test_float8.py",
+    "tests/test_fused_loss.py",
+    "tests/models/test_hf_float8.py",
+    "tests/dist/test_opinfo_corpus.py",
+    "tests/dist/test_flex_attention.py",
+)
+
+
+def _rank(nodeid: str) -> int:
+    return next((i for i, p in enumerate(LONGEST) if nodeid.startswith(p)), len(LONGEST))
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist unit of work a test belongs to: its own for a test named in ``LONGEST``, else its file."""
+    alone = any("::" in p and nodeid.startswith(p) for p in LONGEST)
+    return nodeid if alone else nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":  # another --dist asked for: xdist's own scheduler
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order the items are in (longest first)
+    return LongestFirst(config, log)
+
+
 def _is_slow(item) -> bool:
     if item.nodeid.startswith(FAST):
         return False
@@ -97,3 +144,4 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: _rank(item.nodeid))  # stable: the rest keep their order
