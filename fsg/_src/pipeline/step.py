@@ -112,17 +112,7 @@ class PipelineStep:
             raise UnsupportedError(f"a pipeline step trains floating-point params only; params[{odd[0]!r}] is not")
         params = Policy().resolve(params).cast_param({n: p.detach().clone() for n, p in params.items()})
         plan_lib.check_per_parameter(self._optimizer, params)
-        self._plan = plan_lib.build(
-            self._loss_fn,
-            params,
-            batch,
-            self._schedule,
-            self._options,
-            self._me,
-            self._backend,
-            self._data,
-            self._flags,
-        )
+        self._plan = self._build(params, batch)
         mine = {n: p for n, p in params.items() if self._me in self._plan.holders[n]}
         device = next(iter(params.values())).device
         return TrainState(
@@ -150,10 +140,11 @@ class PipelineStep:
         with torch.no_grad(), optim_base.split_leaves(split):
             updates, opt_state = self._optimizer.update(grads, state.opt_state, state.params)
             params = apply_updates(state.params, updates)
-        keys, params_def = tree.flatten({n: n for n in state.params})[0], tree.flatten(state.params)[1]
-        kept = {i for i, n in enumerate(keys) if n in plan.kept}  # leaf indices, in flatten order
-        # frozen or unreached: as they were, optimizer state too (the unsharded step's frozen.keep)
-        params, opt_state = frozen.kept_leaves((params, opt_state), (state.params, state.opt_state), params_def, kept)
+        if plan.kept & state.params.keys():  # frozen or unreached: as they were, optimizer state too (frozen.keep)
+            keys, params_def = tree.flatten({n: n for n in state.params})[0], tree.flatten(state.params)[1]
+            kept = {i for i, n in enumerate(keys) if n in plan.kept}  # leaf indices, in flatten order
+            old = (state.params, state.opt_state)
+            params, opt_state = frozen.kept_leaves((params, opt_state), old, params_def, kept)
         skips = state.skips
         if self._skip:  # the loss and the norm are the same on every rank: one decision
             finite = resilience.is_finite(metrics["loss"], metrics["grad_norm"])
@@ -227,9 +218,18 @@ class PipelineStep:
         full = {
             n: state.params.get(n, torch.empty(self._shape(plan, n), dtype=self._dtype(plan, n))) for n in plan.names
         }
-        new = plan_lib.build(
+        new = self._build(full, batch)
+        if new.holders != plan.holders:
+            raise UnsupportedError(
+                "the new batch shape moves parameters between pipeline ranks; keep batch shapes fixed for a pp step"
+            )
+        self._plan = new
+        return new
+
+    def _build(self, params: dict[str, torch.Tensor], batch: Any) -> plan_lib.Plan:
+        return plan_lib.build(
             self._loss_fn,
-            full,
+            params,
             batch,
             self._schedule,
             self._options,
@@ -238,12 +238,6 @@ class PipelineStep:
             self._data,
             self._flags,
         )
-        if new.holders != plan.holders:
-            raise UnsupportedError(
-                "the new batch shape moves parameters between pipeline ranks; keep batch shapes fixed for a pp step"
-            )
-        self._plan = new
-        return new
 
     def _require_plan(self) -> plan_lib.Plan:
         if self._plan is None:
